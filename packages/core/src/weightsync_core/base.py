@@ -1,0 +1,108 @@
+"""The checkpoint-engine interface every backend implements (verl's names and shapes)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync_core.bucketing import WeightsSource
+from weightsync_core.config import parse_dtype
+
+__all__ = ["CheckpointEngine", "CheckpointEngineWithCache", "TransferStats"]
+
+
+@dataclass
+class TransferStats:
+    """What one side of a sync moved."""
+
+    num_tensors: int = 0
+    nbytes: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain dict, for returning across Ray."""
+        return asdict(self)
+
+
+class CheckpointEngine(ABC):
+    """Moves one version of the weights from the actor worker group to rollout workers.
+
+    One instance lives in each worker process, on both sides. A sync runs, in every process:
+    :meth:`prepare` (returns metadata such as an address), the driver calls
+    :meth:`build_topology` with all metadata, each process gets its keyword arguments for
+    :meth:`init_process_group`, then actor ranks call :meth:`send_weights` while rollout
+    workers iterate :meth:`receive_weights`, and everyone calls :meth:`finalize`.
+
+    Args:
+        bucket_size: bytes per transfer bucket.
+        rollout_dtype: cast floating-point tensors to this dtype before sending.
+        verify: check deliveries against the sender's manifest (engines that move bytes).
+        timeout: seconds any single wait may take before the engine raises.
+    """
+
+    is_colocated: ClassVar[bool] = False
+    """True for engines where actor and rollout share one process (no transfer)."""
+
+    def __init__(
+        self,
+        bucket_size: int,
+        *,
+        rollout_dtype: str | torch.dtype | None = None,
+        verify: bool = True,
+        timeout: float = 600.0,
+    ) -> None:
+        if bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
+        self.bucket_size = int(bucket_size)
+        self.rollout_dtype = parse_dtype(rollout_dtype)
+        self.verify = verify
+        self.timeout = float(timeout)
+
+    @abstractmethod
+    def prepare(self) -> dict[str, Any]:
+        """Allocate what the sync needs and return this process's metadata for the topology."""
+
+    @classmethod
+    @abstractmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Return ``(actor_wg_kwargs, rollout_kwargs)``: per-rank lists of keyword arguments.
+
+        ``metadata`` holds the :meth:`prepare` results of the actor ranks, then of the rollout
+        workers. ``actor_wg_kwargs[key][i]`` goes to actor rank ``i``'s
+        :meth:`init_process_group`; likewise for rollout worker ``i``.
+        """
+
+    @abstractmethod
+    def init_process_group(self, **kwargs: Any) -> None:
+        """Join this sync's communication group with the arguments from :meth:`build_topology`."""
+
+    @abstractmethod
+    async def send_weights(
+        self, weights: WeightsSource, global_steps: int | None = None
+    ) -> TransferStats:
+        """Actor side: send ``weights`` (ranks that do not send still drain the iterator)."""
+
+    @abstractmethod
+    def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Rollout side: async iterator of received ``(name, tensor)`` pairs."""
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """Release this sync's groups and memory; safe to call after a failure, and twice."""
+
+
+class CheckpointEngineWithCache(CheckpointEngine):
+    """An engine whose actor side keeps a host copy of the latest weights after sending."""
+
+    @abstractmethod
+    def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Fetch the latest cached weights without the actor ranks sending again."""

@@ -1,0 +1,262 @@
+"""Packing ``(name, tensor)`` streams into fixed-size byte buckets, and unpacking them.
+
+The sender writes tensors' bytes into two alternating buffers (double buffering) so that
+filling one bucket overlaps moving the other. A tensor larger than a bucket is split into
+chunks that the receiver merges back. Any dtype, 0-dim, empty and non-contiguous tensors are
+accepted; offsets are aligned so received slices can be viewed as their dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "ALIGNMENT",
+    "BucketMeta",
+    "BucketPacker",
+    "BucketUnpacker",
+    "PackedBucket",
+    "TensorMeta",
+    "WeightsSource",
+    "as_bytes",
+    "cast_for_rollout",
+    "iter_named_tensors",
+]
+
+ALIGNMENT = 256
+"""Byte alignment of every tensor (and chunk) inside a bucket."""
+
+WeightsSource = (
+    Iterable[tuple[str, torch.Tensor]]
+    | AsyncIterable[tuple[str, torch.Tensor]]
+    | Mapping[str, torch.Tensor]
+)
+"""What ``send_weights`` accepts: a sync or async iterable of pairs, or a state dict."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Where one tensor (or one chunk of a tensor) lies in a bucket.
+
+    Attributes:
+        name: the tensor's name.
+        shape: the full tensor's shape.
+        dtype: the tensor's dtype (after any rollout cast).
+        offset: byte offset of this piece in the bucket.
+        nbytes: bytes of this piece.
+        total_nbytes: bytes of the whole tensor.
+        chunk_offset: byte offset of this piece within the whole tensor.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+    total_nbytes: int
+    chunk_offset: int = 0
+
+    @property
+    def is_chunk(self) -> bool:
+        """True if this piece is only part of its tensor."""
+        return self.nbytes != self.total_nbytes
+
+
+@dataclass(slots=True)
+class BucketMeta:
+    """Description of one filled bucket, sent alongside (or ahead of) its bytes."""
+
+    index: int
+    nbytes: int
+    tensors: list[TensorMeta]
+    checksum: int | None = None
+
+
+@dataclass(slots=True)
+class PackedBucket:
+    """A filled bucket: its buffer and the metadata that describes ``buffer[:meta.nbytes]``."""
+
+    buffer: torch.Tensor
+    meta: BucketMeta
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The used bytes of the buffer."""
+        return self.buffer[: self.meta.nbytes]
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of ``tensor``'s data (copied first only if non-contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def cast_for_rollout(tensor: torch.Tensor, rollout_dtype: torch.dtype | None) -> torch.Tensor:
+    """Cast floating-point tensors to ``rollout_dtype``; leave other tensors untouched."""
+    if rollout_dtype is not None and tensor.is_floating_point() and tensor.dtype != rollout_dtype:
+        return tensor.to(rollout_dtype)
+    return tensor
+
+
+async def iter_named_tensors(
+    weights: WeightsSource,
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Iterate ``weights`` (sync/async iterable of pairs, or a mapping) with validation.
+
+    Raises:
+        TypeError: an item is not a ``(str, torch.Tensor)`` pair.
+        ValueError: a name occurs twice.
+    """
+    if isinstance(weights, Mapping):
+        weights = weights.items()
+    seen: set[str] = set()
+    if isinstance(weights, AsyncIterable):
+        async for item in weights:
+            yield _checked_item(item, seen)
+    elif isinstance(weights, Iterable):
+        for item in weights:
+            yield _checked_item(item, seen)
+    else:
+        raise TypeError(
+            "weights must be an iterable or async iterable of (name, tensor) pairs or a state "
+            f"dict, got {type(weights).__name__}"
+        )
+
+
+def _checked_item(item: object, seen: set[str]) -> tuple[str, torch.Tensor]:
+    if not (isinstance(item, tuple) and len(item) == 2):
+        raise TypeError(f"weights must yield (name, tensor) pairs, got {item!r:.80}")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise TypeError(f"tensor names must be strings, got {name!r} ({type(name).__name__})")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor; only tensors "
+            "can be synced"
+        )
+    if name in seen:
+        raise ValueError(f"duplicate tensor name {name!r} in the weights stream; names must be "
+                         "unique within one sync")
+    seen.add(name)
+    return name, tensor
+
+
+@dataclass
+class BucketPacker:
+    """Fills alternating buffers with tensors' bytes and yields each full bucket.
+
+    The consumer must be done with a yielded bucket's buffer before asking for the bucket
+    after the next one: with two buffers, bucket ``k+2`` reuses bucket ``k``'s buffer.
+
+    Attributes:
+        buffers: two (or more) ``uint8`` buffers of equal size, on the engine's device.
+        rollout_dtype: cast floating-point tensors to this dtype first.
+        checksum: if set, computes each bucket's checksum for verification.
+        manifest: after packing, ``(name, shape, dtype)`` of every tensor sent.
+        nbytes / num_tensors / num_buckets: counters after packing.
+    """
+
+    buffers: list[torch.Tensor]
+    rollout_dtype: torch.dtype | None = None
+    checksum: Callable[[torch.Tensor], int] | None = None
+    manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
+    nbytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = {buffer.numel() for buffer in self.buffers}
+        if len(sizes) != 1 or min(sizes) < ALIGNMENT:
+            raise ValueError(f"buffers must share one size of at least {ALIGNMENT} bytes")
+        self.bucket_size = sizes.pop()
+
+    async def pack(self, weights: WeightsSource) -> AsyncIterator[PackedBucket]:
+        """Yield filled buckets for ``weights``; the last one may be partly filled or empty."""
+        metas: list[TensorMeta] = []
+        offset = end = 0
+        async for name, tensor in iter_named_tensors(weights):
+            tensor = cast_for_rollout(tensor, self.rollout_dtype)
+            data = as_bytes(tensor)
+            total = data.numel()
+            shape = tuple(tensor.shape)
+            self.manifest.append((name, shape, tensor.dtype))
+            self.num_tensors += 1
+            if offset > 0 and total > self.bucket_size - offset:
+                yield self._flush(metas, end)
+                metas, offset, end = [], 0, 0
+            position = 0
+            while True:
+                piece = min(total - position, self.bucket_size - offset)
+                buffer = self.buffers[self.num_buckets % len(self.buffers)]
+                buffer[offset : offset + piece].copy_(data[position : position + piece])
+                metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
+                end = offset + piece
+                offset = _align(end)
+                position += piece
+                if position >= total:
+                    break
+                yield self._flush(metas, end)
+                metas, offset, end = [], 0, 0
+        yield self._flush(metas, end)
+
+    def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
+        buffer = self.buffers[self.num_buckets % len(self.buffers)]
+        meta = BucketMeta(self.num_buckets, nbytes, metas)
+        if self.checksum is not None:
+            meta.checksum = self.checksum(buffer[:nbytes])
+        self.num_buckets += 1
+        self.nbytes += nbytes
+        return PackedBucket(buffer, meta)
+
+
+@dataclass
+class _PartialTensor:
+    meta: TensorMeta
+    data: torch.Tensor
+    received: int = 0
+
+
+class BucketUnpacker:
+    """Turns received buckets back into ``(name, tensor)`` pairs, merging chunked tensors.
+
+    Yielded tensors own their memory: they stay valid after the bucket buffer is reused.
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[str, _PartialTensor] = {}
+
+    def unpack(
+        self, data: torch.Tensor, meta: BucketMeta
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the complete tensors of one bucket (``data`` is the bucket's used bytes)."""
+        for tensor_meta in meta.tensors:
+            piece = data[tensor_meta.offset : tensor_meta.offset + tensor_meta.nbytes]
+            if not tensor_meta.is_chunk:
+                yield tensor_meta.name, _materialize(piece.clone(), tensor_meta)
+                continue
+            partial = self._partial.get(tensor_meta.name)
+            if partial is None:
+                buffer = torch.empty(tensor_meta.total_nbytes, dtype=torch.uint8, device=data.device)
+                partial = self._partial[tensor_meta.name] = _PartialTensor(tensor_meta, buffer)
+            start = tensor_meta.chunk_offset
+            partial.data[start : start + tensor_meta.nbytes].copy_(piece)
+            partial.received += tensor_meta.nbytes
+            if partial.received == tensor_meta.total_nbytes:
+                del self._partial[tensor_meta.name]
+                yield tensor_meta.name, _materialize(partial.data, tensor_meta)
+
+    def incomplete(self) -> list[str]:
+        """Names of chunked tensors that started but never completed."""
+        return sorted(self._partial)
+
+
+def _materialize(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    if meta.total_nbytes == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=raw.device)
+    return raw.view(meta.dtype).reshape(meta.shape)

@@ -1,0 +1,87 @@
+"""Configuration of the weight-sync layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointEngineConfig", "parse_dtype"]
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """Turn ``"bfloat16"`` / ``"torch.bfloat16"`` / a ``torch.dtype`` into a ``torch.dtype``."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"rollout_dtype {value!r} is not a torch dtype; use a name such as "
+            "'bfloat16', 'float16' or 'float32'"
+        )
+    return dtype
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """How weights move from the actor worker group to the rollout replicas.
+
+    Attributes:
+        backend: registered engine name (``naive``, ``gloo``, ``nccl``, ``nixl``, ...).
+        update_weights_bucket_megabytes: size of each transfer bucket in MiB; two are allocated
+            per process (double buffering). Tensors larger than a bucket are chunked.
+        engine_kwargs: extra constructor arguments per backend name, e.g.
+            ``{"nixl": {"backend_plugin": "UCX"}}``; only the active backend's entry is used.
+        custom_backend_module: dotted module name (or list) imported in every process that
+            builds an engine, so that a custom backend registers itself.
+        sync_timeout_seconds: a whole sync (all stages) must finish within this time, else it
+            raises :class:`~weightsync_core.errors.SyncTimeoutError` naming the stage and ranks.
+        verify: receivers check names, shapes, dtypes and a per-bucket checksum against the
+            sender's manifest and fail loudly on any mismatch.
+        rollout_dtype: if set, floating-point tensors are cast to this dtype before sending.
+    """
+
+    backend: str = "naive"
+    update_weights_bucket_megabytes: int = 512
+    engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    custom_backend_module: str | list[str] | None = None
+    sync_timeout_seconds: float = 600.0
+    verify: bool = True
+    rollout_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
+        if (
+            isinstance(self.update_weights_bucket_megabytes, bool)
+            or not isinstance(self.update_weights_bucket_megabytes, int)
+            or self.update_weights_bucket_megabytes <= 0
+        ):
+            raise ValueError(
+                "update_weights_bucket_megabytes must be a positive integer (MiB), got "
+                f"{self.update_weights_bucket_megabytes!r}"
+            )
+        if not self.sync_timeout_seconds > 0:
+            raise ValueError(
+                f"sync_timeout_seconds must be > 0, got {self.sync_timeout_seconds!r}"
+            )
+        if not isinstance(self.engine_kwargs, dict) or not all(
+            isinstance(v, dict) for v in self.engine_kwargs.values()
+        ):
+            raise ValueError(
+                "engine_kwargs must map a backend name to a dict of keyword arguments, e.g. "
+                "{'gloo': {'host': '127.0.0.1'}}"
+            )
+        parse_dtype(self.rollout_dtype)
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        """Bucket size in bytes."""
+        return self.update_weights_bucket_megabytes << 20
+
+    @property
+    def active_engine_kwargs(self) -> dict[str, Any]:
+        """The ``engine_kwargs`` entry of the configured backend (empty if none)."""
+        return dict(self.engine_kwargs.get(self.backend, {}))

@@ -1,0 +1,307 @@
+"""Collective-broadcast engine: actor rank 0 broadcasts each bucket to all rollout workers.
+
+This is the shared pipeline of the ``gloo``, ``nccl`` and ``hccl`` backends. A subclass
+overrides only what its hardware needs:
+
+- :attr:`device_type` and :meth:`_allocate_bucket`: where buckets live;
+- :meth:`_new_data_group`: the communicator that moves bucket bytes;
+- :meth:`_synchronize_device`: stream handling before a bucket is sent or read.
+
+Control messages (bucket metadata, the final manifest, aborts) always travel on a small gloo
+group over host memory. Each bucket is one message: a 3-integer header ``[kind, meta_len,
+data_len]``, the pickled metadata, then the bucket bytes on the data group. The sender fills
+bucket ``k+1`` while bucket ``k`` is on the wire; receivers post the receive of ``k+1``
+before unpacking ``k``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import pickle
+import time
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import BroadcastOptions
+
+from weightsync_core.base import CheckpointEngine, TransferStats
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import (
+    BucketPacker,
+    BucketUnpacker,
+    WeightsSource,
+    iter_named_tensors,
+)
+from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
+from weightsync_core.process_group import (
+    create_store,
+    default_host,
+    find_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.verification import DeliveryVerifier, host_checksum
+
+__all__ = ["CollectiveBroadcastCheckpointEngine"]
+
+_SENDER = "actor rank 0"
+
+
+class _Kind(enum.IntEnum):
+    BUCKET = 0
+    FINAL = 1
+    ABORT = 2
+
+
+class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
+    """Broadcast buckets from actor rank 0 to every rollout worker over one group.
+
+    Topology: actor rank 0 is group rank 0 (the sender), rollout worker ``i`` is group rank
+    ``i + 1``; other actor ranks get rank ``-1`` and only drain their weight iterator.
+
+    Args:
+        bucket_size: bytes per bucket (two are allocated per process).
+        host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
+            Ray node IP, or ``127.0.0.1``).
+        group_name: prefix of this engine's keys in the rendezvous store.
+        **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
+    """
+
+    device_type: ClassVar[str] = "cpu"
+
+    def __init__(
+        self,
+        bucket_size: int,
+        *,
+        host: str | None = None,
+        group_name: str = "weightsync",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(bucket_size, **kwargs)
+        self.host = host
+        self.group_name = group_name
+        self.rank: int | None = None
+        self.world_size = 0
+        self._store: dist.Store | None = None
+        self._control: dist.ProcessGroup | None = None
+        self._data: dist.ProcessGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    # -- hooks for device backends -------------------------------------------------------
+    def _allocate_bucket(self) -> torch.Tensor:
+        """One bucket buffer on this engine's device."""
+        return torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device_type)
+
+    def _new_data_group(
+        self, store: dist.Store, rank: int, world_size: int
+    ) -> dist.ProcessGroup:
+        """The communicator for bucket bytes; by default the gloo control group."""
+        assert self._control is not None
+        return self._control
+
+    def _synchronize_device(self) -> None:
+        """Make pending device work on the buckets visible (no-op on host memory)."""
+
+    def _checksum(self, data: torch.Tensor) -> int:
+        """Checksum of a bucket's used bytes, for verification."""
+        return host_checksum(data)
+
+    # -- CheckpointEngine ----------------------------------------------------------------
+    def _own_host(self) -> str:
+        return self.host or default_host()
+
+    def prepare(self) -> dict[str, Any]:
+        host = self._own_host()
+        return {"host": host, "port": find_free_port(host)}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        if actor_wg_world_size < 1 or rollout_world_size < 1:
+            raise ValueError(
+                f"{cls.__name__} needs at least one actor rank and one rollout worker, got "
+                f"actor_wg_world_size={actor_wg_world_size}, "
+                f"rollout_world_size={rollout_world_size}"
+            )
+        world_size = rollout_world_size + 1
+        master = metadata[0]
+        actor_wg_kwargs = {
+            "rank": [0] + [-1] * (actor_wg_world_size - 1),
+            "world_size": [world_size] * actor_wg_world_size,
+            "master_metadata": [master] * actor_wg_world_size,
+        }
+        rollout_kwargs = {
+            "rank": list(range(1, world_size)),
+            "world_size": [world_size] * rollout_world_size,
+            "master_metadata": [master] * rollout_world_size,
+        }
+        return actor_wg_kwargs, rollout_kwargs
+
+    def init_process_group(
+        self, rank: int, world_size: int, master_metadata: dict[str, Any]
+    ) -> None:
+        self.finalize()
+        self.rank, self.world_size = rank, world_size
+        if rank < 0:
+            return
+        store = create_store(
+            master_metadata["host"], master_metadata["port"], rank, world_size,
+            self.timeout, self.group_name,
+        )
+        rendezvous(store, rank, world_size, self.timeout)
+        self._store = store
+        self._control = new_gloo_group(
+            dist.PrefixStore("control", store), rank, world_size, self.timeout, self._own_host()
+        )
+        self._data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size)
+        self._buffers = [self._allocate_bucket() for _ in range(2)]
+
+    async def send_weights(
+        self, weights: WeightsSource, global_steps: int | None = None
+    ) -> TransferStats:
+        start = time.perf_counter()
+        self._require_group(sender=True)
+        if self.rank is not None and self.rank < 0:
+            async for _ in iter_named_tensors(weights):
+                pass
+            return TransferStats(seconds=time.perf_counter() - start)
+        packer = BucketPacker(
+            self._buffers, self.rollout_dtype, self._checksum if self.verify else None
+        )
+        in_flight: asyncio.Future | None = None
+        try:
+            async for bucket in packer.pack(weights):
+                self._synchronize_device()
+                if in_flight is not None:
+                    await in_flight
+                in_flight = asyncio.ensure_future(
+                    self._send_message(_Kind.BUCKET, bucket.meta, bucket.data)
+                )
+            if in_flight is not None:
+                await in_flight
+            in_flight = None
+            final = {"manifest": packer.manifest, "global_steps": global_steps}
+            await self._send_message(_Kind.FINAL, final)
+        except Exception as exc:
+            await self._abort(in_flight, exc)
+            raise
+        return TransferStats(
+            packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
+        )
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        self._require_group(sender=False)
+        unpacker = BucketUnpacker()
+        verifier = DeliveryVerifier(self._checksum)
+        index = 0
+        pending: asyncio.Future | None = asyncio.ensure_future(
+            self._receive_message(self._buffers[0])
+        )
+        try:
+            while True:
+                kind, payload, data = await pending
+                pending = None
+                if kind == _Kind.ABORT:
+                    raise SenderAbortedError(
+                        f"{_SENDER} aborted the sync, so rollout rank {self.rank} stops: {payload}"
+                    )
+                if kind == _Kind.FINAL:
+                    verifier.finish(payload["manifest"], incomplete=unpacker.incomplete())
+                    return
+                index += 1
+                pending = asyncio.ensure_future(
+                    self._receive_message(self._buffers[index % len(self._buffers)])
+                )
+                self._synchronize_device()
+                if self.verify:
+                    verifier.check_bucket(data, payload, source=_SENDER)
+                for name, tensor in unpacker.unpack(data, payload):
+                    verifier.record(name, tensor)
+                    yield name, tensor
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    def finalize(self) -> None:
+        self._control = self._data = self._store = None
+        self._buffers = []
+        self.rank = None
+
+    # -- wire protocol -------------------------------------------------------------------
+    def _require_group(self, *, sender: bool) -> None:
+        if self.rank is None:
+            raise WeightSyncError(
+                f"{type(self).__name__}: init_process_group must run before "
+                f"{'send_weights' if sender else 'receive_weights'}"
+            )
+        if sender and self.rank > 0:
+            raise WeightSyncError(f"rollout rank {self.rank} cannot send weights")
+        if not sender and self.rank <= 0:
+            raise WeightSyncError(f"actor rank (group rank {self.rank}) cannot receive weights")
+
+    async def _broadcast(self, group: dist.ProcessGroup, tensor: torch.Tensor, stage: str) -> None:
+        options = BroadcastOptions()
+        options.rootRank = 0
+        try:
+            work = group.broadcast([tensor], options)
+            await run_blocking(work.wait)
+        except RuntimeError as exc:
+            peer = "the rollout workers" if self.rank == 0 else _SENDER
+            raise TransferError(
+                f"{type(self).__name__}: broadcast of {stage} failed on group rank {self.rank} "
+                f"(peer: {peer}): {exc}",
+                peer=peer, stage=stage,
+            ) from exc
+
+    async def _send_message(
+        self, kind: _Kind, payload: object, data: torch.Tensor | None = None
+    ) -> None:
+        meta = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+        data_len = 0 if data is None else data.numel()
+        header = torch.tensor([int(kind), meta.numel(), data_len], dtype=torch.int64)
+        await self._broadcast(self._control, header, f"{kind.name.lower()} header")
+        transfers = [self._broadcast(self._control, meta, f"{kind.name.lower()} metadata")]
+        if data_len:
+            transfers.append(self._broadcast(self._data, data, "bucket data"))
+        await asyncio.gather(*transfers)
+
+    async def _receive_message(self, buffer: torch.Tensor) -> tuple[_Kind, Any, torch.Tensor]:
+        header = torch.zeros(3, dtype=torch.int64)
+        await self._broadcast(self._control, header, "header")
+        kind, meta_len, data_len = (int(value) for value in header)
+        if data_len > buffer.numel():
+            raise TransferError(
+                f"{_SENDER} announced a {data_len}-byte bucket but rollout rank {self.rank} has "
+                f"{buffer.numel()}-byte buckets; use the same update_weights_bucket_megabytes "
+                "on both sides",
+                peer=_SENDER, stage="header",
+            )
+        meta = torch.empty(meta_len, dtype=torch.uint8)
+        data = buffer[:data_len]
+        transfers = [self._broadcast(self._control, meta, "metadata")]
+        if data_len:
+            transfers.append(self._broadcast(self._data, data, "bucket data"))
+        await asyncio.gather(*transfers)
+        return _Kind(kind), pickle.loads(meta.numpy().tobytes()), data
+
+    async def _abort(self, in_flight: asyncio.Future | None, exc: BaseException) -> None:
+        """Tell receivers the sync is off, so they raise instead of waiting for a timeout."""
+        if in_flight is not None:
+            with contextlib.suppress(Exception):
+                await in_flight
+            if in_flight.cancelled() or in_flight.exception() is not None:
+                return  # the group itself is broken; receivers will see that error
+        if isinstance(exc, TransferError):
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                self._send_message(_Kind.ABORT, f"{type(exc).__name__}: {exc}"),
+                timeout=min(self.timeout, 30.0),
+            )

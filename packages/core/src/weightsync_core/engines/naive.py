@@ -1,0 +1,63 @@
+"""The ``naive`` engine: actor and rollout live in the same process, nothing is moved."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from weightsync_core.base import CheckpointEngine, TransferStats
+from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.errors import WeightSyncError
+from weightsync_core.registry import CheckpointEngineRegistry
+
+__all__ = ["ColocatedCheckpointEngine"]
+
+
+@CheckpointEngineRegistry.register("naive")
+class ColocatedCheckpointEngine(CheckpointEngine):
+    """Hands the actor's weight iterator straight to the colocated rollout server.
+
+    ``send_weights`` stores the iterator; ``receive_weights`` (in the same process) iterates it,
+    validating names and types and applying ``rollout_dtype``.
+    """
+
+    is_colocated = True
+
+    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
+        super().__init__(bucket_size, **kwargs)
+        self._weights: WeightsSource | None = None
+
+    def prepare(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        return {}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        return None
+
+    async def send_weights(
+        self, weights: WeightsSource, global_steps: int | None = None
+    ) -> TransferStats:
+        self._weights = weights
+        return TransferStats()
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        if self._weights is None:
+            raise WeightSyncError(
+                "naive engine: receive_weights called before send_weights in this process; "
+                "the colocated engine needs the actor's weights first"
+            )
+        weights, self._weights = self._weights, None
+        async for name, tensor in iter_named_tensors(weights):
+            yield name, cast_for_rollout(tensor, self.rollout_dtype)
+
+    def finalize(self) -> None:
+        self._weights = None

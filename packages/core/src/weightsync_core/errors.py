@@ -1,0 +1,104 @@
+"""Exceptions raised by weightsync.
+
+Every error says what went wrong and, where there is one, how to fix it. Failures during a
+sync name the stage and the rank (or peer) that failed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendLoadError",
+    "BackendNotFoundError",
+    "BackendNotInstalledError",
+    "BackendRegistrationError",
+    "GroupInitTimeoutError",
+    "PluginError",
+    "SenderAbortedError",
+    "SyncStageError",
+    "SyncTimeoutError",
+    "TransferError",
+    "VerificationError",
+    "WeightSyncError",
+]
+
+
+class WeightSyncError(RuntimeError):
+    """Base class of every error weightsync raises on purpose."""
+
+
+class BackendNotFoundError(WeightSyncError, LookupError):
+    """No checkpoint-engine backend of that name is registered or known."""
+
+
+class BackendNotInstalledError(BackendNotFoundError):
+    """The backend is a known first-party backend whose package is not installed."""
+
+
+class BackendLoadError(BackendNotFoundError):
+    """The backend's package is installed but importing it (or its native library) failed."""
+
+
+class BackendRegistrationError(WeightSyncError, TypeError):
+    """A backend registration was refused (duplicate name or not a ``CheckpointEngine``)."""
+
+
+class PluginError(WeightSyncError, ValueError):
+    """A custom module or class named in configuration was refused or did not load."""
+
+
+class SyncStageError(WeightSyncError):
+    """A stage of a weight sync failed on one worker.
+
+    Attributes:
+        stage: the sync stage that failed (``prepare``, ``transfer``, ...).
+        worker: who failed, e.g. ``"rollout rank 2 (replica 1, worker 0)"``.
+    """
+
+    def __init__(self, message: str, *, stage: str, worker: str | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.worker = worker
+
+
+class SyncTimeoutError(SyncStageError, TimeoutError):
+    """A sync stage did not finish within the configured timeout."""
+
+    def __init__(self, message: str, *, stage: str, pending: list[str]) -> None:
+        super().__init__(message, stage=stage, worker=", ".join(pending) or None)
+        self.pending = pending
+
+
+class GroupInitTimeoutError(WeightSyncError, TimeoutError):
+    """A weight-sync process group could not form because some ranks never arrived."""
+
+    def __init__(self, message: str, *, missing_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+class TransferError(WeightSyncError):
+    """A transport reported a failure moving a bucket.
+
+    Attributes:
+        peer: the remote endpoint involved.
+        stage: what the engine was doing.
+        code: the transport's return code or state, when it has one.
+    """
+
+    def __init__(self, message: str, *, peer: str, stage: str, code: object = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.stage = stage
+        self.code = code
+
+
+class SenderAbortedError(WeightSyncError):
+    """The sending rank aborted the sync; receivers raise this instead of waiting forever."""
+
+
+class VerificationError(WeightSyncError):
+    """Received weights do not match the sender's manifest (missing, extra or corrupt)."""
+
+    def __init__(self, message: str, *, tensors: list[str]) -> None:
+        super().__init__(message)
+        self.tensors = tensors

@@ -1,0 +1,270 @@
+"""The manager that runs one weight sync from ``actor_wg`` to every rollout replica."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+import ray
+
+from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.errors import SenderAbortedError, SyncStageError, SyncTimeoutError
+from weightsync_core.plugins import load_custom_backend_module
+from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica
+from weightsync_core.ray_group import RayWorkerGroup
+from weightsync_core.registry import CheckpointEngineRegistry
+
+__all__ = ["CheckpointEngineManager", "run_sync"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CLEANUP_SECONDS = 10.0
+_GRACE_SECONDS = 2.0
+_TRANSFER_STAGES = frozenset({"transfer", "finalize"})
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` from synchronous code (in a helper thread if a loop is running)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _describe(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        exc = cause
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return f"{type(exc).__name__}: the worker process died or is unreachable"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:600]
+
+
+def _is_collateral(exc: BaseException) -> bool:
+    """Errors that only echo another rank's failure (receivers told the sender aborted)."""
+    cause = getattr(exc, "cause", exc)
+    return isinstance(cause, SenderAbortedError | asyncio.CancelledError)
+
+
+class CheckpointEngineManager:
+    """Coordinates weight syncs between ``actor_wg`` and a set of rollout replicas.
+
+    One sync: abort in-flight requests, release KV cache, prepare, build topology, init
+    process groups, send and receive, finalize, resume generation. Every stage awaits Ray
+    object refs (no blocking ``ray.get``) under one deadline of
+    ``config.sync_timeout_seconds``; a failure raises :class:`SyncStageError` (or
+    :class:`SyncTimeoutError`) naming the stage and the worker.
+
+    If a sync fails after bytes started moving, its replicas are left paused (not resumed)
+    and listed in :attr:`stale_replicas` until a later sync succeeds or they are removed.
+
+    Args:
+        config: the checkpoint-engine configuration.
+        actor_wg: the training-side worker group (a :class:`CheckpointEngineWorkerGroup`).
+        replicas: the rollout replicas (:class:`RolloutReplica`).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig,
+        actor_wg: CheckpointEngineWorkerGroup,
+        replicas: Iterable[RolloutReplica] = (),
+    ) -> None:
+        self.config = config
+        load_custom_backend_module(config.custom_backend_module)
+        self.backend_cls = CheckpointEngineRegistry.get(config.backend)
+        self.actor_wg = actor_wg
+        self.replicas: list[RolloutReplica] = []
+        self.stale_replicas: list[RolloutReplica] = []
+        self.add_replicas(replicas)
+
+    @property
+    def backend(self) -> str:
+        """The configured backend name."""
+        return self.config.backend
+
+    def add_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
+        """Include ``replicas`` from the next sync on."""
+        for replica in replicas:
+            if any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is already managed")
+            self.replicas.append(replica)
+
+    def remove_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
+        """Stop syncing ``replicas`` (e.g. after one failed); the others are untouched."""
+        for replica in replicas:
+            if not any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is not managed by this manager")
+            self.replicas = [known for known in self.replicas if known is not replica]
+            self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
+
+    def update_weights_sync(self, global_steps: int | None = None) -> dict[str, float]:
+        """:meth:`update_weights` for synchronous callers."""
+        return run_sync(self.update_weights(global_steps))
+
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        """Move the actor's current weights to every replica; return metrics.
+
+        Metrics (``weightsync/`` prefix): ``bytes``, ``tensors``, ``buckets``,
+        ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps`` and ``gbps``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.sync_timeout_seconds
+        replicas = list(self.replicas)
+        metrics: dict[str, float] = {}
+        stage_start = started = loop.time()
+
+        async def stage(name: str, calls: Sequence[tuple[str, Awaitable[Any]]]) -> list[Any]:
+            nonlocal stage_start
+            results = await self._run_stage(name, calls, deadline)
+            now = loop.time()
+            metrics[f"weightsync/seconds/{name}"] = now - stage_start
+            stage_start = now
+            return results
+
+        await stage("abort_requests", self._replica_calls(replicas, "abort_all_requests"))
+        await stage("release_kv_cache", self._replica_calls(replicas, "release_kv_cache"))
+        try:
+            sent = await self._transfer(stage, replicas, global_steps)
+        except SyncStageError as exc:
+            await self._recover(exc, replicas)
+            raise
+        self.stale_replicas = [r for r in self.stale_replicas if not any(r is s for s in replicas)]
+        await stage("resume_generation", self._replica_calls(replicas, "resume_generation"))
+
+        total = loop.time() - started
+        nbytes = sum(result.get("nbytes", 0) for result in sent)
+        transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
+        metrics.update({
+            "weightsync/bytes": float(nbytes),
+            "weightsync/tensors": float(max((r.get("num_tensors", 0) for r in sent), default=0)),
+            "weightsync/buckets": float(sum(r.get("num_buckets", 0) for r in sent)),
+            "weightsync/replicas": float(len(replicas)),
+            "weightsync/seconds/total": total,
+            "weightsync/transfer_gbps": nbytes / transfer_seconds / 1e9 if transfer_seconds else 0.0,
+            "weightsync/gbps": nbytes / total / 1e9 if total else 0.0,
+        })
+        return metrics
+
+    async def _transfer(self, stage, replicas: list[RolloutReplica], global_steps: int | None):
+        actor_wg = self.actor_wg
+        actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
+        if self.backend_cls.is_colocated:
+            return await stage(
+                "transfer", list(zip(actor_names, actor_wg.update_weights(global_steps)))
+            )
+        workers = [worker for replica in replicas for worker in replica.workers]
+        if not workers:
+            raise SyncStageError(
+                f"backend {self.backend!r} moves weights to rollout workers, but the manager "
+                "has no replicas; add_replicas() first", stage="prepare",
+            )
+        rollout = RayWorkerGroup(workers)
+        rollout_names = [
+            f"rollout rank {rank} (replica {index}, worker {local})"
+            for rank, (index, local) in enumerate(
+                (index, local) for index, replica in enumerate(replicas)
+                for local in range(len(replica.workers))
+            )
+        ]
+        names = actor_names + rollout_names
+
+        def both(method: str, actor_kwargs=None, rollout_kwargs=None) -> list[tuple[str, Any]]:
+            refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
+            refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
+            return list(zip(names, refs))
+
+        metadata = await stage("prepare", both("prepare"))
+        actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(
+            actor_wg.world_size, rollout.world_size, metadata
+        )
+        await stage("init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs))
+        refs = actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps)
+        results = await stage("transfer", list(zip(names, refs)))
+        await stage("finalize", both("finalize"))
+        return results[: actor_wg.world_size]
+
+    @staticmethod
+    def _replica_calls(replicas: list[RolloutReplica], method: str):
+        return [(f"replica {index}", getattr(r, method)()) for index, r in enumerate(replicas)]
+
+    async def _run_stage(
+        self, stage: str, calls: Sequence[tuple[str, Awaitable[Any]]], deadline: float
+    ) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        tasks = [asyncio.ensure_future(call) for _, call in calls]
+        if not tasks:
+            return []
+        done, pending = await asyncio.wait(
+            tasks, timeout=max(deadline - loop.time(), 0.0),
+            return_when=asyncio.FIRST_EXCEPTION,
+        )
+        failed = [task for task in done if not task.cancelled() and task.exception()]
+        if failed and pending:
+            # give the other ranks a moment to report, so the root cause can be named
+            await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, max(deadline - loop.time(), 0)))
+        failures = [
+            (name, task.exception()) for (name, _), task in zip(calls, tasks)
+            if task.done() and not task.cancelled() and task.exception() is not None
+        ]
+        pending_names = [name for (name, _), task in zip(calls, tasks) if not task.done()]
+        self._cancel([call for (_, call), task in zip(calls, tasks) if not task.done()], tasks)
+        if failures:
+            failures.sort(key=lambda failure: _is_collateral(failure[1]))
+            name, exc = failures[0]
+            others = "; ".join(f"{other}: {_describe(e)}" for other, e in failures[1:4])
+            raise SyncStageError(
+                f"weight sync ({self.backend}) failed at stage {stage!r} on {name}: "
+                f"{_describe(exc)}" + (f". Also failed: {others}" if others else ""),
+                stage=stage, worker=name,
+            ) from exc
+        if pending_names:
+            raise SyncTimeoutError(
+                f"weight sync ({self.backend}) timed out at stage {stage!r} after "
+                f"{self.config.sync_timeout_seconds:.0f}s (sync_timeout_seconds); still waiting "
+                f"on: {', '.join(pending_names)}",
+                stage=stage, pending=pending_names,
+            )
+        return [task.result() for task in tasks]
+
+    @staticmethod
+    def _cancel(calls: list[Awaitable[Any]], tasks: list[asyncio.Future]) -> None:
+        for call in calls:
+            if isinstance(call, ray.ObjectRef):
+                with contextlib.suppress(Exception):
+                    ray.cancel(call)
+        for task in tasks:
+            task.cancel()
+
+    async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica]) -> None:
+        """After a failed sync: release engine resources everywhere, then resume replicas
+        whose weights were never touched, or mark them stale."""
+        workers = [worker for replica in replicas for worker in replica.workers]
+        cleanup = [*self.actor_wg.execute_checkpoint_engine("finalize")]
+        with contextlib.suppress(Exception):
+            cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("finalize")
+        await asyncio.wait(
+            [asyncio.ensure_future(ref) for ref in cleanup], timeout=_CLEANUP_SECONDS
+        )
+        if error.stage in _TRANSFER_STAGES:
+            self.stale_replicas += [r for r in replicas if not any(r is s for s in self.stale_replicas)]
+            error.args = (
+                f"{error.args[0]}. The {len(replicas)} replica(s) in this sync were left paused "
+                "with incomplete weights (see manager.stale_replicas); fix the cause and call "
+                "update_weights again, or remove_replicas() the broken ones.",
+            )
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(replica.resume_generation() for replica in replicas)),
+                timeout=_CLEANUP_SECONDS,
+            )

@@ -1,0 +1,158 @@
+"""Safe loading of user modules and classes named in configuration.
+
+Configuration may name a module to import (``custom_backend_module``) or a class to build
+(``checkpoint_manager_class``). Only dotted Python names are accepted: file paths, URLs and
+relative names are refused. An operator can restrict which modules may be loaded by setting
+``WEIGHTSYNC_TRUSTED_MODULES`` to a comma-separated list of module prefixes; a configuration
+file cannot change that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import TypeVar
+
+from weightsync_core.errors import PluginError
+from weightsync_core.registry import CheckpointEngineRegistry
+
+__all__ = [
+    "TRUSTED_MODULES_ENV",
+    "load_class",
+    "load_custom_backend_module",
+    "validate_module_name",
+]
+
+logger = logging.getLogger(__name__)
+
+TRUSTED_MODULES_ENV = "WEIGHTSYNC_TRUSTED_MODULES"
+
+_DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+T = TypeVar("T")
+
+_registered_by_module: dict[str, list[str]] = {}
+
+
+def validate_module_name(name: object, *, setting: str = "custom_backend_module") -> str:
+    """Return ``name`` if it is an absolute dotted module name allowed by the operator.
+
+    Raises:
+        PluginError: the value is not a string, looks like a path or URL, is relative, or is
+            outside the prefixes listed in ``WEIGHTSYNC_TRUSTED_MODULES``.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise PluginError(f"{setting} must be a dotted module name such as 'my_pkg.backend', "
+                          f"got {name!r}")
+    if "://" in name:
+        problem = "looks like a URL"
+    elif "/" in name or "\\" in name or name.endswith(".py"):
+        problem = "looks like a file path"
+    elif name.startswith("."):
+        problem = "is a relative module name"
+    elif not _DOTTED_NAME.match(name):
+        problem = "is not a valid dotted Python module name"
+    else:
+        problem = None
+    if problem is not None:
+        raise PluginError(
+            f"{setting}={name!r} {problem}. Only importable, absolute dotted module names are "
+            "accepted (e.g. 'my_company.weightsync_backend'); install the module or put its "
+            "directory on PYTHONPATH in every process instead of pointing at a file."
+        )
+    trusted = _trusted_prefixes()
+    if trusted is not None and not any(
+        name == prefix or name.startswith(prefix + ".") for prefix in trusted
+    ):
+        raise PluginError(
+            f"{setting}={name!r} is not allowed: the operator restricted loadable modules with "
+            f"{TRUSTED_MODULES_ENV}={','.join(trusted)}. Ask the operator to add its package "
+            "prefix to that variable."
+        )
+    return name
+
+
+def load_custom_backend_module(module: str | Sequence[str] | None) -> list[str]:
+    """Import the module(s) named by ``custom_backend_module`` so their backends register.
+
+    Call this in every process that builds an engine (driver and each Ray worker); it is
+    idempotent. Returns the backend names the module(s) registered.
+
+    Raises:
+        PluginError: a name is refused (see :func:`validate_module_name`), the import fails,
+            or the module registered no backend.
+    """
+    if module is None:
+        return []
+    modules = [module] if isinstance(module, str) else list(module)
+    registered: list[str] = []
+    for name in modules:
+        registered.extend(_import_backend_module(validate_module_name(name)))
+    return registered
+
+
+def load_class(
+    qualified_name: str, base: type[T], *, setting: str = "checkpoint_manager_class"
+) -> type[T]:
+    """Load ``package.module.ClassName`` (or ``package.module:ClassName``) under the same policy
+    as :func:`load_custom_backend_module` and check that it subclasses ``base``."""
+    if not isinstance(qualified_name, str):
+        raise PluginError(f"{setting} must be a fully-qualified class name, got {qualified_name!r}")
+    module_name, sep, class_name = qualified_name.replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise PluginError(
+            f"{setting}={qualified_name!r} must be fully qualified, e.g. "
+            "'my_pkg.sync.MyCheckpointEngineManager'"
+        )
+    validate_module_name(module_name, setting=setting)
+    module = _import(module_name, setting)
+    obj = getattr(module, class_name, None)
+    if obj is None:
+        raise PluginError(f"{setting}={qualified_name!r}: module {module_name!r} has no "
+                          f"attribute {class_name!r}")
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise PluginError(
+            f"{setting}={qualified_name!r} is not a subclass of "
+            f"{base.__module__}.{base.__qualname__}"
+        )
+    return obj
+
+
+def _trusted_prefixes() -> list[str] | None:
+    raw = os.environ.get(TRUSTED_MODULES_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return [part.strip() for part in raw.split(",") if part.strip()]
+
+
+def _import(name: str, setting: str):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise PluginError(f"{setting}={name!r} could not be imported: {exc}") from exc
+    logger.info("weightsync loaded %s=%s from %s", setting, name, getattr(module, "__file__", "?"))
+    return module
+
+
+def _import_backend_module(name: str) -> list[str]:
+    if name in _registered_by_module:
+        return _registered_by_module[name]
+    before = set(CheckpointEngineRegistry.names())
+    _import(name, "custom_backend_module")
+    registry = CheckpointEngineRegistry._registry
+    added = sorted(set(registry) - before)
+    if not added:
+        added = sorted(
+            backend for backend, engine in registry.items()
+            if engine.__module__ == name or engine.__module__.startswith(name + ".")
+        )
+    if not added:
+        raise PluginError(
+            f"custom_backend_module={name!r} was imported but registered no backend. Decorate "
+            "your engine class with @CheckpointEngineRegistry.register('<name>') at module level."
+        )
+    _registered_by_module[name] = added
+    return added

@@ -1,0 +1,108 @@
+"""Dedicated weight-sync process groups that never touch the default torch.distributed group.
+
+Each sync builds its own ``TCPStore`` (hosted by rank 0) wrapped in a ``PrefixStore``, checks
+that every rank arrived (naming the ones that did not), then builds the transport's process
+group from that store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from weightsync_core.errors import GroupInitTimeoutError
+
+__all__ = [
+    "HOST_ENV",
+    "create_store",
+    "default_host",
+    "find_free_port",
+    "new_gloo_group",
+    "rendezvous",
+]
+
+HOST_ENV = "WEIGHTSYNC_HOST"
+
+
+def default_host() -> str:
+    """The address other processes use to reach this one.
+
+    ``WEIGHTSYNC_HOST`` wins; inside Ray, the node's IP address; else ``127.0.0.1``.
+    """
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - ray is a dependency of core
+        pass
+    return "127.0.0.1"
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def create_store(
+    host: str, port: int, rank: int, world_size: int, timeout: float, prefix: str
+) -> dist.Store:
+    """A ``TCPStore`` hosted by rank 0 at ``host:port``, under ``prefix``.
+
+    Raises:
+        GroupInitTimeoutError: a non-zero rank could not reach rank 0's store.
+    """
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, rank == 0,
+            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+        )
+    except (RuntimeError, dist.DistStoreError) as exc:
+        raise GroupInitTimeoutError(
+            f"rank {rank} could not reach the weight-sync store of rank 0 at {host}:{port} "
+            f"within {timeout:.0f}s ({exc}); rank 0 never arrived or the address is not "
+            f"reachable from this host (set {HOST_ENV} to a reachable address)",
+            missing_ranks=[0],
+        ) from exc
+    return dist.PrefixStore(prefix, store)
+
+
+def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
+    """Wait until all ``world_size`` ranks have checked in on ``store``.
+
+    Raises:
+        GroupInitTimeoutError: naming the ranks that never arrived.
+    """
+    store.set(f"arrived/{rank}", "1")
+    keys = [f"arrived/{peer}" for peer in range(world_size)]
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
+            raise GroupInitTimeoutError(
+                f"weight-sync group of {world_size} ranks did not form within {timeout:.0f}s: "
+                f"rank(s) {missing} never arrived (seen from rank {rank})",
+                missing_ranks=missing,
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def new_gloo_group(
+    store: dist.Store, rank: int, world_size: int, timeout: float, host: str
+) -> ProcessGroupGloo:
+    """A gloo process group on ``store``, bound to ``host``; the default group is untouched."""
+    options = ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout)
+    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    return ProcessGroupGloo(store, rank, world_size, options)

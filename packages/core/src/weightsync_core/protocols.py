@@ -1,0 +1,70 @@
+"""The interfaces the manager needs from worker groups, replicas and inference servers.
+
+The trainer (or any third party) implements these; :mod:`weightsync_core.ray_group` has a
+small Ray implementation for tests and simple deployments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["CheckpointEngineWorkerGroup", "RolloutReplica", "ServerAdapter"]
+
+
+@runtime_checkable
+class CheckpointEngineWorkerGroup(Protocol):
+    """A group of Ray actors that each own a checkpoint engine (``actor_wg`` or rollout).
+
+    Methods return one Ray ``ObjectRef`` per rank, in rank order.
+    """
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        ...
+
+    def execute_checkpoint_engine(self, method: str, **per_rank_kwargs: list[Any]) -> list[Any]:
+        """Call ``engine.<method>(**kwargs_i)`` on each rank ``i`` (``kwargs_i[k] = v[i]``)."""
+        ...
+
+    def update_weights(self, global_steps: int | None = None) -> list[Any]:
+        """Run each rank's side of the transfer (send on actor ranks, receive on rollout)."""
+        ...
+
+
+@runtime_checkable
+class RolloutReplica(Protocol):
+    """One inference server instance, served by one or more rollout workers."""
+
+    @property
+    def workers(self) -> Sequence[Any]:
+        """Ray handles of the replica's ``CheckpointEngineWorker`` actors, in rank order."""
+        ...
+
+    async def abort_all_requests(self) -> None:
+        """Stop in-flight generation before the weights change."""
+        ...
+
+    async def release_kv_cache(self) -> None:
+        """Free KV-cache memory for the duration of the sync."""
+        ...
+
+    async def resume_generation(self) -> None:
+        """Serve again with the new weights."""
+        ...
+
+
+@runtime_checkable
+class ServerAdapter(Protocol):
+    """The inference server inside a rollout worker process, as the engine sees it."""
+
+    async def update_weights(
+        self,
+        weights: AsyncIterator[tuple[str, torch.Tensor]],
+        global_steps: int | None = None,
+    ) -> None:
+        """Consume every received ``(name, tensor)`` and load it into the model."""
+        ...

@@ -1,0 +1,65 @@
+"""Minimal Ray implementations of the worker-group and replica protocols."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RayRolloutReplica", "RayWorkerGroup"]
+
+
+class RayWorkerGroup:
+    """A list of Ray actor handles whose actors expose ``execute_checkpoint_engine`` and
+    ``update_weights`` (e.g. :class:`~weightsync_core.worker.CheckpointEngineWorker`)."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self.workers = list(workers)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def execute_checkpoint_engine(self, method: str, **per_rank_kwargs: list[Any]) -> list[Any]:
+        for key, values in per_rank_kwargs.items():
+            if len(values) != self.world_size:
+                raise ValueError(
+                    f"argument {key!r} of {method} has {len(values)} values for "
+                    f"{self.world_size} ranks"
+                )
+        return [
+            worker.execute_checkpoint_engine.remote(
+                method, **{key: values[rank] for key, values in per_rank_kwargs.items()}
+            )
+            for rank, worker in enumerate(self.workers)
+        ]
+
+    def update_weights(self, global_steps: int | None = None) -> list[Any]:
+        return [worker.update_weights.remote(global_steps) for worker in self.workers]
+
+
+class RayRolloutReplica:
+    """A replica made of Ray ``CheckpointEngineWorker`` actors; lifecycle calls go to each."""
+
+    def __init__(self, workers: Sequence[Any], name: str | None = None) -> None:
+        self._workers = list(workers)
+        self.name = name or f"replica-{id(self):x}"
+
+    @property
+    def workers(self) -> list[Any]:
+        return self._workers
+
+    async def _call_all(self, method: str) -> None:
+        await asyncio.gather(*(getattr(worker, method).remote() for worker in self._workers))
+
+    async def abort_all_requests(self) -> None:
+        await self._call_all("abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        await self._call_all("release_kv_cache")
+
+    async def resume_generation(self) -> None:
+        await self._call_all("resume_generation")
+
+    def __repr__(self) -> str:
+        return f"RayRolloutReplica({self.name!r}, workers={len(self._workers)})"

@@ -1,0 +1,130 @@
+"""Ray actors used by the conformance suite and the benchmarks.
+
+``WeightSourceActor`` plays an ``actor_wg`` rank holding deterministic weights;
+``RecordingRolloutWorker`` is a :class:`CheckpointEngineWorker` whose server records a digest
+of every received tensor (and can be told to stall or die).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from weightsync_core.bucketing import WeightsSource
+from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.testing.weights import (
+    Faults,
+    TensorDigest,
+    digest,
+    faulty_stream,
+    make_weights,
+)
+from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
+
+__all__ = ["RecordingServerAdapter", "RecordingRolloutWorker", "WeightSourceActor"]
+
+
+class RecordingServerAdapter:
+    """A stand-in inference server that keeps a digest of each received tensor.
+
+    ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
+    forever (simulating a crashed or hung inference server).
+    """
+
+    def __init__(self) -> None:
+        self.received: dict[str, TensorDigest] = {}
+        self.global_steps: list[int | None] = []
+        self.lifecycle: list[str] = []
+        self.die_after: int | None = None
+        self.stall_after: int | None = None
+        self.discard = False
+
+    async def update_weights(
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
+    ) -> None:
+        received: dict[str, TensorDigest] = {}
+        async for name, tensor in weights:
+            if self.die_after is not None and len(received) >= self.die_after:
+                os._exit(1)
+            if self.stall_after is not None and len(received) >= self.stall_after:
+                await asyncio.sleep(3600)
+            received[name] = None if self.discard else digest(tensor)
+        self.received = received
+        self.global_steps.append(global_steps)
+
+    async def abort_all_requests(self) -> None:
+        self.lifecycle.append("abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        self.lifecycle.append("release_kv_cache")
+
+    async def resume_generation(self) -> None:
+        self.lifecycle.append("resume_generation")
+
+
+class RecordingRolloutWorker(CheckpointEngineWorker):
+    """Rollout worker whose server adapter is a :class:`RecordingServerAdapter`."""
+
+    def __init__(self, config: CheckpointEngineConfig) -> None:
+        super().__init__(config, RecordingServerAdapter())
+
+    def set_faults(
+        self, die_after: int | None = None, stall_after: int | None = None, discard: bool = False
+    ) -> None:
+        """Make the server die or stall after that many tensors (``None``: behave)."""
+        self.server_adapter.die_after = die_after
+        self.server_adapter.stall_after = stall_after
+        self.server_adapter.discard = discard
+
+    def report(self) -> dict[str, Any]:
+        """What the server received, and this process's view of the backend."""
+        adapter = self.server_adapter
+        return {
+            "received": adapter.received,
+            "global_steps": adapter.global_steps,
+            "lifecycle": adapter.lifecycle,
+            "engine_class": type(self.checkpoint_engine).__module__ + "."
+            + type(self.checkpoint_engine).__qualname__,
+            "pid": os.getpid(),
+        }
+
+
+class WeightSourceActor(ActorCheckpointEngineMixin):
+    """An ``actor_wg`` rank with deterministic weights; colocated engines also get a
+    recording server in-process."""
+
+    def __init__(self, config: CheckpointEngineConfig) -> None:
+        self.config = config
+        self.weights: dict[str, torch.Tensor] = {}
+        self.faults = Faults()
+        self.colocated_adapter = RecordingServerAdapter()
+        self.init_checkpoint_engine(config, self.colocated_adapter)
+
+    def set_weights(self, seed: int, profile: str = "standard", faults: Faults | None = None) -> int:
+        """Regenerate the weights from ``seed``; returns their total size in bytes."""
+        self.weights = make_weights(seed, self.config.bucket_size_bytes, profile)
+        self.faults = faults or Faults()
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def set_tensor(self, name: str, size_bytes: int) -> int:
+        """Replace the weights by one float32 tensor of ``size_bytes`` (for benchmarks)."""
+        self.weights = {name: torch.ones(size_bytes // 4)}
+        self.faults = Faults()
+        return size_bytes
+
+    def iter_weights(self) -> WeightsSource:
+        return faulty_stream(self.weights, self.faults)
+
+    def report(self) -> dict[str, Any]:
+        """What the colocated server received (colocated engines only)."""
+        return {
+            "received": self.colocated_adapter.received,
+            "global_steps": self.colocated_adapter.global_steps,
+            "engine_class": type(self.checkpoint_engine).__module__ + "."
+            + type(self.checkpoint_engine).__qualname__,
+            "pid": os.getpid(),
+        }

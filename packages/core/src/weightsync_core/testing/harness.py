@@ -1,0 +1,106 @@
+"""A small Ray deployment of ``actor_wg`` ranks and rollout replicas for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray._private import ray_constants
+
+from weightsync_core.config import CheckpointEngineConfig, parse_dtype
+from weightsync_core.manager import CheckpointEngineManager
+from weightsync_core.process_group import HOST_ENV
+from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
+from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
+from weightsync_core.testing.weights import Faults, TensorDigest, digests, make_weights
+
+__all__ = ["SyncHarness", "ensure_ray"]
+
+_UV_HOOK_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
+
+
+def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> None:
+    """Start a local Ray instance on loopback (once per process).
+
+    Workers get ``WEIGHTSYNC_HOST=127.0.0.1`` so every transfer stays on this machine, plus
+    ``env_vars``. Ray's uv run-time hook is disabled so workers start from the current venv.
+    """
+    if ray.is_initialized():
+        return
+    if os.environ.setdefault(_UV_HOOK_ENV, "0") == "0":
+        # Ray reads this at import time; the suite may be imported after ray already was.
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    worker_env = {HOST_ENV: "127.0.0.1", _UV_HOOK_ENV: "0", **(env_vars or {})}
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": worker_env},
+        logging_level="WARNING",
+    )
+
+
+class SyncHarness:
+    """``actor_world_size`` weight-source ranks and replicas of the given sizes, for one backend.
+
+    Args:
+        config: checkpoint-engine config used by every worker.
+        actor_world_size: number of ``actor_wg`` ranks.
+        replica_sizes: workers per rollout replica; ignored for colocated backends.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig,
+        actor_world_size: int = 2,
+        replica_sizes: Sequence[int] = (1, 2),
+    ) -> None:
+        ensure_ray()
+        self.config = config
+        self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
+        source = ray.remote(num_cpus=0)(WeightSourceActor)
+        self.actors = [source.remote(config) for _ in range(actor_world_size)]
+        self.actor_wg = RayWorkerGroup(self.actors)
+        self.replicas: list[RayRolloutReplica] = []
+        if not self.colocated:
+            self.replicas = [self.new_replica(size, name=f"replica{i}")
+                             for i, size in enumerate(replica_sizes)]
+        ray.get([actor.report.remote() for actor in self.actors])
+
+    def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
+        """Start a replica of ``size`` rollout workers."""
+        worker = ray.remote(num_cpus=0)(RecordingRolloutWorker)
+        return RayRolloutReplica([worker.remote(self.config) for _ in range(size)], name=name)
+
+    def manager(
+        self, replicas: Sequence[RayRolloutReplica] | None = None, **config_overrides: Any
+    ) -> CheckpointEngineManager:
+        """A manager over ``replicas`` (default: all), with optional config overrides."""
+        config = replace(self.config, **config_overrides)
+        chosen = self.replicas if replicas is None else replicas
+        return CheckpointEngineManager(config, self.actor_wg, chosen)
+
+    def set_weights(
+        self, seed: int, profile: str = "standard", faults: Faults | None = None
+    ) -> dict[str, TensorDigest]:
+        """Give every actor rank the weights of ``seed``; return the digests receivers
+        should report."""
+        ray.get([actor.set_weights.remote(seed, profile, faults) for actor in self.actors])
+        weights = make_weights(seed, self.config.bucket_size_bytes, profile)
+        return digests(weights, parse_dtype(self.config.rollout_dtype))
+
+    def reports(self, replicas: Sequence[RayRolloutReplica] | None = None) -> list[dict[str, Any]]:
+        """Per receiving process (rollout worker, or actor rank if colocated): what arrived."""
+        if self.colocated:
+            return ray.get([actor.report.remote() for actor in self.actors])
+        chosen = self.replicas if replicas is None else replicas
+        return ray.get([w.report.remote() for replica in chosen for w in replica.workers])
+
+    def shutdown(self) -> None:
+        """Kill every actor this harness started."""
+        for handle in [*self.actors, *(w for r in self.replicas for w in r.workers)]:
+            ray.kill(handle)

@@ -1,0 +1,111 @@
+"""Deterministic test weights covering every case a backend must deliver bit-exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from weightsync_core.bucketing import as_bytes, cast_for_rollout
+
+__all__ = ["Faults", "TensorDigest", "digest", "digests", "faulty_stream", "make_weights"]
+
+TensorDigest = tuple[tuple[int, ...], str, int]
+"""``(shape, dtype name, xxh3 of the bytes)`` of one tensor."""
+
+
+def _float8_dtypes() -> list[torch.dtype]:
+    names = ("float8_e4m3fn", "float8_e5m2")
+    return [getattr(torch, name) for name in names if hasattr(torch, name)]
+
+
+def make_weights(
+    seed: int, bucket_size: int, profile: str = "standard"
+) -> dict[str, torch.Tensor]:
+    """Weights for one sync, fully determined by ``seed``.
+
+    Profiles:
+        ``standard``: every dtype in use (fp32, bf16, fp16, fp64, fp8 where torch has it,
+            int8/16/32/64, uint8, bool), 0-dim, empty and non-contiguous tensors, one tensor
+            just over 5x the bucket size and 200 tiny tensors.
+        ``tiny``: 3000 tensors of a few elements each.
+        ``large``: ``standard`` plus a tensor of about 1 GiB split over many buckets (not
+            used by default: it is for manual runs).
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    def randint(low: int, high: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=generator, dtype=dtype)
+
+    if profile == "tiny":
+        return {f"tiny.{index}": randn(3 + index % 5) for index in range(3000)}
+    weights: dict[str, torch.Tensor] = {
+        "model.embed.weight": randn(97, 33),
+        "model.bf16": randn(64, 7).to(torch.bfloat16),
+        "model.fp16": randn(5, 13).to(torch.float16),
+        "model.fp64": randn(11).to(torch.float64),
+        "model.int8": randint(-128, 128, 300, dtype=torch.int8),
+        "model.int16": randint(-30000, 30000, 77, dtype=torch.int16),
+        "model.int32": randint(-(2**31), 2**31 - 1, 19, dtype=torch.int32),
+        "model.int64": randint(-(2**62), 2**62, 23, dtype=torch.int64),
+        "model.uint8": randint(0, 256, 129, dtype=torch.uint8),
+        "model.bool": randint(0, 2, 31, dtype=torch.int64).bool(),
+        "model.scalar": randn(1).reshape(()),
+        "model.scalar_int": torch.tensor(seed, dtype=torch.int64),
+        "model.empty": torch.empty(0, 7),
+        "model.empty_bf16": torch.empty(3, 0, dtype=torch.bfloat16),
+        "model.transposed": randn(24, 40).t(),
+        "model.strided": randn(301)[::3],
+        "model.big": randn(5 * bucket_size // 4 + 123),
+    }
+    for dtype in _float8_dtypes():
+        weights[f"model.{str(dtype).removeprefix('torch.')}"] = randn(8, 9).to(dtype)
+    for index in range(200):
+        weights[f"model.tiny.{index}"] = randn(1 + index % 4)
+    if profile == "large":
+        weights["model.huge"] = randn(256 << 20)
+    elif profile != "standard":
+        raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny or large")
+    return weights
+
+
+def digest(tensor: torch.Tensor) -> TensorDigest:
+    """Shape, dtype and a 64-bit hash of the bytes: equal digests mean bit-exact tensors."""
+    data = as_bytes(tensor.detach().cpu())
+    payload = memoryview(data.numpy()) if data.numel() else b""
+    return tuple(tensor.shape), str(tensor.dtype), xxhash.xxh3_64_intdigest(payload)
+
+
+def digests(
+    weights: Mapping[str, torch.Tensor], rollout_dtype: torch.dtype | None = None
+) -> dict[str, TensorDigest]:
+    """Digest of every tensor as a receiver should see it (after the rollout cast)."""
+    return {name: digest(cast_for_rollout(t, rollout_dtype)) for name, t in weights.items()}
+
+
+@dataclass
+class Faults:
+    """Failures a test can inject on the sending side."""
+
+    raise_after: int | None = None
+    duplicate_name: bool = False
+    non_tensor: bool = False
+
+
+def faulty_stream(
+    weights: Mapping[str, torch.Tensor], faults: Faults
+) -> Iterator[tuple[str, object]]:
+    """Yield ``weights`` as pairs, misbehaving as ``faults`` says."""
+    for index, (name, tensor) in enumerate(weights.items()):
+        if faults.raise_after is not None and index == faults.raise_after:
+            raise RuntimeError(f"injected failure in the weight generator after {index} tensors")
+        yield name, tensor
+        if index == 3 and faults.duplicate_name:
+            yield name, tensor
+        if index == 3 and faults.non_tensor:
+            yield "model.not_a_tensor", [1.0, 2.0]

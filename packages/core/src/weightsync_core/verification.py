@@ -1,0 +1,77 @@
+"""Verified delivery: receivers check what arrived against the sender's manifest."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from weightsync_core.bucketing import BucketMeta
+from weightsync_core.errors import VerificationError
+
+__all__ = ["DeliveryVerifier", "Manifest", "host_checksum"]
+
+Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
+"""``(name, shape, dtype)`` of every tensor the sender sent, in order."""
+
+
+def host_checksum(data: torch.Tensor) -> int:
+    """64-bit xxh3 of a ``uint8`` tensor's bytes (copied to host memory if needed)."""
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if data.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(memoryview(data.contiguous().numpy()))
+
+
+class DeliveryVerifier:
+    """Receiver-side checks: per-bucket checksum, then names/shapes/dtypes at the end."""
+
+    def __init__(self, checksum=host_checksum) -> None:
+        self._checksum = checksum
+        self._received: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def check_bucket(self, data: torch.Tensor, meta: BucketMeta, *, source: str) -> None:
+        """Raise if the bucket's bytes do not match the sender's checksum."""
+        if meta.checksum is None:
+            return
+        actual = self._checksum(data)
+        if actual != meta.checksum:
+            names = sorted({tensor.name for tensor in meta.tensors})
+            raise VerificationError(
+                f"bucket {meta.index} from {source} is corrupt (checksum {actual:#018x}, "
+                f"sender sent {meta.checksum:#018x}); it holds: {', '.join(names)}",
+                tensors=names,
+            )
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        """Note one delivered tensor."""
+        self._received[name] = (tuple(tensor.shape), tensor.dtype)
+
+    def finish(self, manifest: Manifest, *, incomplete: Sequence[str] = ()) -> None:
+        """Compare everything delivered with the sender's manifest; raise on any difference."""
+        expected = {name: (tuple(shape), dtype) for name, shape, dtype in manifest}
+        missing = sorted(set(expected) - set(self._received))
+        extra = sorted(set(self._received) - set(expected))
+        mismatched = sorted(
+            name for name, spec in self._received.items()
+            if name in expected and expected[name] != spec
+        )
+        problems = []
+        if incomplete:
+            problems.append(f"incomplete (chunks missing): {', '.join(incomplete)}")
+        if missing:
+            problems.append(f"missing: {', '.join(missing[:20])}"
+                            + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+        if extra:
+            problems.append(f"not in the sender's manifest: {', '.join(extra[:20])}")
+        for name in mismatched[:20]:
+            problems.append(
+                f"{name}: received shape/dtype {self._received[name]}, sent {expected[name]}"
+            )
+        if problems:
+            raise VerificationError(
+                "received weights do not match the sender's manifest: " + "; ".join(problems),
+                tensors=[*incomplete, *missing, *extra, *mismatched],
+            )

@@ -1,0 +1,177 @@
+"""Worker-side owners of a checkpoint engine: the rollout worker and the actor-side mixin."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from weightsync_core.base import CheckpointEngine, TransferStats
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import WeightsSource
+from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.errors import WeightSyncError
+from weightsync_core.plugins import load_custom_backend_module
+from weightsync_core.protocols import ServerAdapter
+from weightsync_core.registry import CheckpointEngineRegistry
+
+__all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine"]
+
+_BLOCKING_METHODS = frozenset({"init_process_group", "finalize"})
+
+
+def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
+    """Import ``custom_backend_module`` in this process, then build the configured engine."""
+    load_custom_backend_module(config.custom_backend_module)
+    return CheckpointEngineRegistry.new(
+        config.backend,
+        bucket_size=config.bucket_size_bytes,
+        rollout_dtype=config.rollout_dtype,
+        verify=config.verify,
+        timeout=config.sync_timeout_seconds,
+        **config.active_engine_kwargs,
+    )
+
+
+async def _execute(engine: CheckpointEngine, method: str, kwargs: dict[str, Any]) -> Any:
+    if method.startswith("_") or not hasattr(engine, method):
+        raise AttributeError(f"{type(engine).__name__} has no public method {method!r}")
+    function = getattr(engine, method)
+    if method in _BLOCKING_METHODS:
+        return await run_blocking(function, **kwargs)
+    result = function(**kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _deliver(
+    adapter: ServerAdapter | None,
+    weights: AsyncIterator[tuple[str, torch.Tensor]],
+    global_steps: int | None,
+) -> TransferStats:
+    """Feed received weights to ``adapter`` while counting them; check it consumed them all."""
+    if adapter is None:
+        raise WeightSyncError(
+            "this worker has no server adapter to load weights into; pass server_adapter= or "
+            "set self.server_adapter before the first sync"
+        )
+    stats = TransferStats()
+    exhausted = False
+
+    async def counted() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        nonlocal exhausted
+        async for name, tensor in weights:
+            stats.num_tensors += 1
+            stats.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+        exhausted = True
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await adapter.update_weights(counted(), global_steps=global_steps)
+    if not exhausted:
+        raise WeightSyncError(
+            f"{type(adapter).__name__}.update_weights returned after {stats.num_tensors} "
+            "tensors without consuming the whole stream; it must iterate every weight"
+        )
+    stats.seconds = loop.time() - start
+    return stats
+
+
+class CheckpointEngineWorker:
+    """Rollout-side Ray actor: owns an engine and hands received weights to the server.
+
+    Use as ``ray.remote(CheckpointEngineWorker).remote(config, server_adapter)``. The adapter
+    (or a subclass that sets ``self.server_adapter``) receives ``update_weights(weights_iter,
+    global_steps)``. ``custom_backend_module`` is imported in this process before the
+    backend is resolved.
+
+    Attributes:
+        weights_version: ``global_steps`` of the last complete update (``None`` before one).
+        update_complete: False while an update is running or after one failed part-way.
+    """
+
+    def __init__(
+        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
+    ) -> None:
+        self.config = config
+        self.checkpoint_engine = build_engine(config)
+        self.server_adapter = server_adapter
+        self.weights_version: int | None = None
+        self.update_complete = True
+
+    async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        return await _execute(self.checkpoint_engine, method, kwargs)
+
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        """Receive one version of the weights and load it into the server."""
+        self.update_complete = False
+        stats = await _deliver(
+            self.server_adapter, self.checkpoint_engine.receive_weights(global_steps), global_steps
+        )
+        self.update_complete = True
+        self.weights_version = global_steps
+        return stats.as_dict()
+
+    def weights_status(self) -> dict[str, Any]:
+        """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
+        return {"version": self.weights_version, "complete": self.update_complete}
+
+    async def _adapter_call(self, method: str) -> None:
+        function = getattr(self.server_adapter, method, None)
+        if function is not None:
+            result = function()
+            if inspect.isawaitable(result):
+                await result
+
+    async def abort_all_requests(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("release_kv_cache")
+
+    async def resume_generation(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("resume_generation")
+
+
+class ActorCheckpointEngineMixin:
+    """Gives an ``actor_wg`` worker (the training side) a checkpoint engine.
+
+    Subclasses implement :meth:`iter_weights` (full tensors one by one) and call
+    :meth:`init_checkpoint_engine`. In colocated mode (``naive``) pass the in-process
+    ``server_adapter``; the actor then also loads the weights into it.
+    """
+
+    checkpoint_engine: CheckpointEngine
+    colocated_server_adapter: ServerAdapter | None = None
+
+    def init_checkpoint_engine(
+        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
+    ) -> None:
+        """Build this process's engine (importing ``custom_backend_module`` first)."""
+        self.checkpoint_engine = build_engine(config)
+        self.colocated_server_adapter = server_adapter
+
+    def iter_weights(self) -> WeightsSource:
+        """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
+        raise NotImplementedError(f"{type(self).__name__} must implement iter_weights()")
+
+    async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        return await _execute(self.checkpoint_engine, method, kwargs)
+
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+        """Send this rank's weights (and, colocated, load them into the local server)."""
+        engine = self.checkpoint_engine
+        stats = await engine.send_weights(self.iter_weights(), global_steps)
+        if engine.is_colocated:
+            stats = await _deliver(
+                self.colocated_server_adapter, engine.receive_weights(global_steps), global_steps
+            )
+        return stats.as_dict()
