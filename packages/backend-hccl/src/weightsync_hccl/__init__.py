@@ -1,1 +1,3 @@
-"""weightsync-hccl."""
+"""weightsync-hccl: the `hccl` checkpoint-engine backend for weightsync (not implemented yet)."""
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
-"""weightsync-kimi."""
+"""weightsync-kimi: the `kimi` checkpoint-engine backend for weightsync (not implemented yet)."""
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
-"""weightsync-mooncake."""
+"""weightsync-mooncake: the `mooncake` checkpoint-engine backend for weightsync (not implemented yet)."""
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
-"""weightsync-nccl."""
+"""weightsync-nccl: the `nccl` checkpoint-engine backend for weightsync (not implemented yet)."""
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
-"""weightsync-nixl."""
+"""weightsync-nixl: the `nixl` checkpoint-engine backend for weightsync (not implemented yet)."""
+
+__all__: list[str] = []

@@ -19,6 +19,7 @@ __all__ = [
     "BucketPacker",
     "BucketUnpacker",
     "PackedBucket",
+    "ReceiveBuffers",
     "TensorMeta",
     "WeightsSource",
     "as_bytes",
@@ -225,11 +226,16 @@ class _PartialTensor:
 class BucketUnpacker:
     """Turns received buckets back into ``(name, tensor)`` pairs, merging chunked tensors.
 
-    Yielded tensors own their memory: they stay valid after the bucket buffer is reused.
+    Args:
+        copy: yield tensors that own their memory (for engines whose receive buffers are
+            fixed, e.g. registered with a NIC). Without it, whole tensors are yielded as views
+            of the bucket; pair that with :class:`ReceiveBuffers`, which never overwrites a
+            bucket that is still viewed. Merged chunks always own their memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy: bool = True) -> None:
         self._partial: dict[str, _PartialTensor] = {}
+        self._copy = copy
 
     def unpack(
         self, data: torch.Tensor, meta: BucketMeta
@@ -238,7 +244,8 @@ class BucketUnpacker:
         for tensor_meta in meta.tensors:
             piece = data[tensor_meta.offset : tensor_meta.offset + tensor_meta.nbytes]
             if not tensor_meta.is_chunk:
-                yield tensor_meta.name, _materialize(piece.clone(), tensor_meta)
+                yield tensor_meta.name, _materialize(piece.clone() if self._copy else piece,
+                                                     tensor_meta)
                 continue
             partial = self._partial.get(tensor_meta.name)
             if partial is None:
@@ -254,6 +261,45 @@ class BucketUnpacker:
     def incomplete(self) -> list[str]:
         """Names of chunked tensors that started but never completed."""
         return sorted(self._partial)
+
+
+class ReceiveBuffers:
+    """Bucket buffers for a receiver that yields views instead of copies.
+
+    A slot's buffer is reused only if nothing outside the engine still views it (checked on
+    the storage's reference count); otherwise a fresh buffer replaces it, so a consumer that
+    keeps received tensors never sees them overwritten. Three slots let a streaming consumer
+    hold the previous tensor while the next bucket arrives, without forcing a new buffer.
+
+    Args:
+        allocate: returns one new bucket buffer.
+        slots: number of buffers cycled through.
+    """
+
+    def __init__(self, allocate: Callable[[], torch.Tensor], slots: int = 3) -> None:
+        self._allocate = allocate
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._baseline = [0] * slots
+        self.allocations = 0
+
+    def take(self, index: int) -> torch.Tensor:
+        """The buffer to receive bucket ``index`` into."""
+        slot = index % len(self._buffers)
+        buffer = self._buffers[slot]
+        refs = None if buffer is None else _storage_refs(buffer)
+        if refs is None or refs > self._baseline[slot]:
+            buffer = self._buffers[slot] = self._allocate()
+            self._baseline[slot] = _storage_refs(buffer) or 0
+            self.allocations += 1
+        return buffer
+
+
+def _storage_refs(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s storage (plus a constant); None if unknown."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # pragma: no cover - torch without the counter: never reuse
+        return None
+    return use_count(tensor.untyped_storage()._cdata)
 
 
 def _materialize(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:

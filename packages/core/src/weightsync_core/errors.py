@@ -23,7 +23,10 @@ __all__ = [
 
 
 class WeightSyncError(RuntimeError):
-    """Base class of every error weightsync raises on purpose."""
+    """Base class of every error weightsync raises on purpose.
+
+    Subclasses keep their extra attributes optional so that errors pickle across Ray.
+    """
 
 
 class BackendNotFoundError(WeightSyncError, LookupError):
@@ -54,7 +57,7 @@ class SyncStageError(WeightSyncError):
         worker: who failed, e.g. ``"rollout rank 2 (replica 1, worker 0)"``.
     """
 
-    def __init__(self, message: str, *, stage: str, worker: str | None = None) -> None:
+    def __init__(self, message: str, *, stage: str = "", worker: str | None = None) -> None:
         super().__init__(message)
         self.stage = stage
         self.worker = worker
@@ -63,7 +66,8 @@ class SyncStageError(WeightSyncError):
 class SyncTimeoutError(SyncStageError, TimeoutError):
     """A sync stage did not finish within the configured timeout."""
 
-    def __init__(self, message: str, *, stage: str, pending: list[str]) -> None:
+    def __init__(self, message: str, *, stage: str = "", pending: list[str] | None = None) -> None:
+        pending = pending or []
         super().__init__(message, stage=stage, worker=", ".join(pending) or None)
         self.pending = pending
 
@@ -71,9 +75,9 @@ class SyncTimeoutError(SyncStageError, TimeoutError):
 class GroupInitTimeoutError(WeightSyncError, TimeoutError):
     """A weight-sync process group could not form because some ranks never arrived."""
 
-    def __init__(self, message: str, *, missing_ranks: list[int]) -> None:
+    def __init__(self, message: str, *, missing_ranks: list[int] | None = None) -> None:
         super().__init__(message)
-        self.missing_ranks = missing_ranks
+        self.missing_ranks = missing_ranks or []
 
 
 class TransferError(WeightSyncError):
@@ -85,7 +89,9 @@ class TransferError(WeightSyncError):
         code: the transport's return code or state, when it has one.
     """
 
-    def __init__(self, message: str, *, peer: str, stage: str, code: object = None) -> None:
+    def __init__(
+        self, message: str, *, peer: str = "", stage: str = "", code: object = None
+    ) -> None:
         super().__init__(message)
         self.peer = peer
         self.stage = stage
@@ -99,6 +105,6 @@ class SenderAbortedError(WeightSyncError):
 class VerificationError(WeightSyncError):
     """Received weights do not match the sender's manifest (missing, extra or corrupt)."""
 
-    def __init__(self, message: str, *, tensors: list[str]) -> None:
+    def __init__(self, message: str, *, tensors: list[str] | None = None) -> None:
         super().__init__(message)
-        self.tensors = tensors
+        self.tensors = tensors or []

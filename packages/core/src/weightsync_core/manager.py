@@ -252,9 +252,10 @@ class CheckpointEngineManager:
         cleanup = [*self.actor_wg.execute_checkpoint_engine("finalize")]
         with contextlib.suppress(Exception):
             cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("finalize")
-        await asyncio.wait(
-            [asyncio.ensure_future(ref) for ref in cleanup], timeout=_CLEANUP_SECONDS
-        )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*cleanup, return_exceptions=True), timeout=_CLEANUP_SECONDS
+            )
         if error.stage in _TRANSFER_STAGES:
             self.stale_replicas += [r for r in replicas if not any(r is s for s in self.stale_replicas)]
             error.args = (

@@ -104,6 +104,13 @@ class BackendInfo:
     description: str = ""
 
 
+def _distribution_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _describe_import_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     cause = exc.__cause__ or exc.__context__
@@ -160,6 +167,14 @@ class CheckpointEngineRegistry:
             return cls._load_entry_point(name, entry_point)
         known = KNOWN_BACKENDS.get(name)
         available = ", ".join(sorted(cls._installed_names())) or "none"
+        installed_version = _distribution_version(known.distribution) if known else None
+        if known is not None and installed_version is not None:
+            raise BackendNotInstalledError(
+                f"checkpoint-engine backend {name!r} is not provided by the installed "
+                f"{known.distribution} {installed_version}: that release has no "
+                f"{ENTRY_POINT_GROUP!r} entry point for it. Upgrade it with: pip install -U "
+                f"{known.distribution}. Backends available here: {available}."
+            )
         if known is not None:
             raise BackendNotInstalledError(
                 f"checkpoint-engine backend {name!r} ({known.description}) is provided by the "

@@ -33,6 +33,7 @@ from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import (
     BucketPacker,
     BucketUnpacker,
+    ReceiveBuffers,
     WeightsSource,
     iter_named_tensors,
 )
@@ -68,6 +69,8 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
             Ray node IP, or ``127.0.0.1``).
         group_name: prefix of this engine's keys in the rendezvous store.
+        keep_buffers: keep bucket buffers allocated between syncs (no re-allocation and page
+            faults on every sync); turn off to give the memory back after each sync.
         **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
     """
 
@@ -79,22 +82,26 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         *,
         host: str | None = None,
         group_name: str = "weightsync",
+        keep_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(bucket_size, **kwargs)
         self.host = host
         self.group_name = group_name
+        self.keep_buffers = keep_buffers
         self.rank: int | None = None
         self.world_size = 0
         self._store: dist.Store | None = None
         self._control: dist.ProcessGroup | None = None
         self._data: dist.ProcessGroup | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._send_buffers: list[torch.Tensor] = []
+        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
 
     # -- hooks for device backends -------------------------------------------------------
     def _allocate_bucket(self) -> torch.Tensor:
-        """One bucket buffer on this engine's device."""
-        return torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device_type)
+        """One bucket buffer on this engine's device (zero-filled, so its pages are mapped
+        now rather than during the transfer)."""
+        return torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device_type)
 
     def _new_data_group(
         self, store: dist.Store, rank: int, world_size: int
@@ -159,7 +166,8 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             dist.PrefixStore("control", store), rank, world_size, self.timeout, self._own_host()
         )
         self._data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size)
-        self._buffers = [self._allocate_bucket() for _ in range(2)]
+        if rank == 0 and not self._send_buffers:
+            self._send_buffers = [self._allocate_bucket() for _ in range(2)]
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None
@@ -171,7 +179,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 pass
             return TransferStats(seconds=time.perf_counter() - start)
         packer = BucketPacker(
-            self._buffers, self.rollout_dtype, self._checksum if self.verify else None
+            self._send_buffers, self.rollout_dtype, self._checksum if self.verify else None
         )
         in_flight: asyncio.Future | None = None
         try:
@@ -179,9 +187,8 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 self._synchronize_device()
                 if in_flight is not None:
                     await in_flight
-                in_flight = asyncio.ensure_future(
-                    self._send_message(_Kind.BUCKET, bucket.meta, bucket.data)
-                )
+                works = self._post_message(_Kind.BUCKET, bucket.meta, bucket.data)
+                in_flight = asyncio.ensure_future(run_blocking(self._wait, works))
             if in_flight is not None:
                 await in_flight
             in_flight = None
@@ -197,12 +204,15 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield received tensors as views of their bucket; a bucket is never overwritten
+        while a yielded tensor still views it (see :class:`ReceiveBuffers`)."""
         self._require_group(sender=False)
-        unpacker = BucketUnpacker()
+        unpacker = BucketUnpacker(copy=False)
         verifier = DeliveryVerifier(self._checksum)
+        buffers = self._receive_buffers
         index = 0
         pending: asyncio.Future | None = asyncio.ensure_future(
-            self._receive_message(self._buffers[0])
+            self._receive_message(buffers.take(index))
         )
         try:
             while True:
@@ -216,22 +226,24 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                     verifier.finish(payload["manifest"], incomplete=unpacker.incomplete())
                     return
                 index += 1
-                pending = asyncio.ensure_future(
-                    self._receive_message(self._buffers[index % len(self._buffers)])
-                )
+                pending = asyncio.ensure_future(self._receive_message(buffers.take(index)))
                 self._synchronize_device()
                 if self.verify:
                     verifier.check_bucket(data, payload, source=_SENDER)
-                for name, tensor in unpacker.unpack(data, payload):
-                    verifier.record(name, tensor)
-                    yield name, tensor
+                for item in unpacker.unpack(data, payload):
+                    verifier.record(*item)
+                    yield item
+                # drop our own views of this bucket so that its buffer can be reused
+                data = item = None
         finally:
             if pending is not None:
                 pending.cancel()
 
     def finalize(self) -> None:
         self._control = self._data = self._store = None
-        self._buffers = []
+        if not self.keep_buffers:
+            self._send_buffers = []
+            self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
         self.rank = None
 
     # -- wire protocol -------------------------------------------------------------------
@@ -246,35 +258,51 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         if not sender and self.rank <= 0:
             raise WeightSyncError(f"actor rank (group rank {self.rank}) cannot receive weights")
 
-    async def _broadcast(self, group: dist.ProcessGroup, tensor: torch.Tensor, stage: str) -> None:
+    def _post(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+        """Enqueue one broadcast from group rank 0 (returns at once)."""
         options = BroadcastOptions()
         options.rootRank = 0
-        try:
-            work = group.broadcast([tensor], options)
-            await run_blocking(work.wait)
-        except RuntimeError as exc:
-            peer = "the rollout workers" if self.rank == 0 else _SENDER
-            raise TransferError(
-                f"{type(self).__name__}: broadcast of {stage} failed on group rank {self.rank} "
-                f"(peer: {peer}): {exc}",
-                peer=peer, stage=stage,
-            ) from exc
+        return group.broadcast([tensor], options)
+
+    def _wait(self, works: list[tuple[dist.Work, str]]) -> None:
+        """Block until every posted broadcast completes; name the stage that failed."""
+        for work, stage in works:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                peer = "the rollout workers" if self.rank == 0 else _SENDER
+                raise TransferError(
+                    f"{type(self).__name__}: broadcast of {stage} failed on group rank "
+                    f"{self.rank} (peer: {peer}): {exc}",
+                    peer=peer, stage=stage,
+                ) from exc
+
+    def _post_message(
+        self, kind: _Kind, payload: object, data: torch.Tensor | None = None
+    ) -> list[tuple[dist.Work, str]]:
+        """Enqueue header, metadata and bucket bytes of one message, in that order."""
+        meta = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+        data_len = 0 if data is None else data.numel()
+        header = torch.tensor([int(kind), meta.numel(), data_len], dtype=torch.int64)
+        name = kind.name.lower()
+        works = [
+            (self._post(self._control, header), f"{name} header"),
+            (self._post(self._control, meta), f"{name} metadata"),
+        ]
+        if data_len:
+            works.append((self._post(self._data, data), "bucket data"))
+        return works
 
     async def _send_message(
         self, kind: _Kind, payload: object, data: torch.Tensor | None = None
     ) -> None:
-        meta = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
-        data_len = 0 if data is None else data.numel()
-        header = torch.tensor([int(kind), meta.numel(), data_len], dtype=torch.int64)
-        await self._broadcast(self._control, header, f"{kind.name.lower()} header")
-        transfers = [self._broadcast(self._control, meta, f"{kind.name.lower()} metadata")]
-        if data_len:
-            transfers.append(self._broadcast(self._data, data, "bucket data"))
-        await asyncio.gather(*transfers)
+        await run_blocking(self._wait, self._post_message(kind, payload, data))
 
-    async def _receive_message(self, buffer: torch.Tensor) -> tuple[_Kind, Any, torch.Tensor]:
+    def _receive_message_blocking(
+        self, buffer: torch.Tensor
+    ) -> tuple[_Kind, Any, torch.Tensor]:
         header = torch.zeros(3, dtype=torch.int64)
-        await self._broadcast(self._control, header, "header")
+        self._wait([(self._post(self._control, header), "header")])
         kind, meta_len, data_len = (int(value) for value in header)
         if data_len > buffer.numel():
             raise TransferError(
@@ -285,11 +313,16 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             )
         meta = torch.empty(meta_len, dtype=torch.uint8)
         data = buffer[:data_len]
-        transfers = [self._broadcast(self._control, meta, "metadata")]
+        works = [(self._post(self._control, meta), "metadata")]
         if data_len:
-            transfers.append(self._broadcast(self._data, data, "bucket data"))
-        await asyncio.gather(*transfers)
+            works.append((self._post(self._data, data), "bucket data"))
+        self._wait(works)
         return _Kind(kind), pickle.loads(meta.numpy().tobytes()), data
+
+    async def _receive_message(self, buffer: torch.Tensor) -> tuple[_Kind, Any, torch.Tensor]:
+        """Receive one message into ``buffer`` on a worker thread (header, then the rest),
+        so the event loop stays free to hand out the previous bucket meanwhile."""
+        return await run_blocking(self._receive_message_blocking, buffer)
 
     async def _abort(self, in_flight: asyncio.Future | None, exc: BaseException) -> None:
         """Tell receivers the sync is off, so they raise instead of waiting for a timeout."""

@@ -110,11 +110,12 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
         self.faults = faults or Faults()
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 
-    def set_tensor(self, name: str, size_bytes: int) -> int:
-        """Replace the weights by one float32 tensor of ``size_bytes`` (for benchmarks)."""
-        self.weights = {name: torch.ones(size_bytes // 4)}
+    def set_uniform_weights(self, total_bytes: int, num_tensors: int) -> int:
+        """Replace the weights by ``num_tensors`` equal float32 tensors (for benchmarks)."""
+        numel = total_bytes // num_tensors // 4
+        self.weights = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
         self.faults = Faults()
-        return size_bytes
+        return numel * 4 * num_tensors
 
     def iter_weights(self) -> WeightsSource:
         return faulty_stream(self.weights, self.faults)

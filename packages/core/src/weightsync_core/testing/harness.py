@@ -12,6 +12,7 @@ from ray._private import ray_constants
 
 from weightsync_core.config import CheckpointEngineConfig, parse_dtype
 from weightsync_core.manager import CheckpointEngineManager
+from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.process_group import HOST_ENV
 from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
@@ -61,6 +62,7 @@ class SyncHarness:
     ) -> None:
         ensure_ray()
         self.config = config
+        load_custom_backend_module(config.custom_backend_module)
         self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
         source = ray.remote(num_cpus=0)(WeightSourceActor)
         self.actors = [source.remote(config) for _ in range(actor_world_size)]

@@ -1,0 +1,18 @@
+"""weightsync-mooncake 0.0.1 installs beside core and says clearly that it has no engine yet."""
+
+import importlib.metadata
+
+import pytest
+
+import weightsync_mooncake
+from weightsync_core import BackendNotInstalledError, CheckpointEngineRegistry
+
+
+def test_installed_with_its_own_version():
+    assert importlib.metadata.version("weightsync-mooncake") == "0.0.1"
+    assert weightsync_mooncake.__all__ == []
+
+
+def test_registry_says_this_release_does_not_provide_the_backend():
+    with pytest.raises(BackendNotInstalledError, match="not provided by the installed weightsync-mooncake 0.0.1"):
+        CheckpointEngineRegistry.get("mooncake")

@@ -1,0 +1,81 @@
+"""The ``weightsync`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from weightsync_core.registry import CheckpointEngineRegistry
+
+__all__ = ["main"]
+
+
+def _backends(args: argparse.Namespace) -> int:
+    report = CheckpointEngineRegistry.available(probe=not args.no_probe)
+    if args.json:
+        rows = {
+            name: {**info.__dict__, "state": info.state.value} for name, info in report.items()
+        }
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'backend':18} {'distribution':22} {'state':14} details")
+    for name, info in report.items():
+        details = info.reason or info.target or ""
+        if info.install_hint and info.state.value in ("not installed", "broken"):
+            details = f"{details}; install: {info.install_hint}" if details else info.install_hint
+        print(f"{name:18} {info.distribution or '-':22} {info.state.value:14} {details}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from weightsync_core.benchmark import run_gloo_benchmark
+
+    result = run_gloo_benchmark(
+        size_megabytes=args.size_mb, receivers=args.receivers,
+        bucket_megabytes=args.bucket_mb, num_tensors=args.tensors, repeats=args.repeats,
+        verify=not args.no_verify,
+    )
+    print(result.table())
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump(result.as_dict(), handle, indent=2)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``weightsync``."""
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = commands.add_parser(
+        "backends", help="list every known backend: distribution, installed, loaded or why not"
+    )
+    backends.add_argument("--no-probe", action="store_true",
+                          help="do not import installed backends to check that they load")
+    backends.add_argument("--json", action="store_true", help="machine-readable output")
+    backends.set_defaults(run=_backends)
+    bench = commands.add_parser(
+        "bench", help="benchmark the gloo engine against raw gloo and the Ray object store"
+    )
+    bench.add_argument("backend", choices=["gloo"], help="engine to benchmark")
+    bench.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
+    bench.add_argument("--receivers", type=int, default=2, help="rollout workers")
+    bench.add_argument("--bucket-mb", type=int, default=256, help="bucket size (MiB)")
+    bench.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
+    bench.add_argument("--repeats", type=int, default=3, help="timed repetitions (median)")
+    bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
+    bench.add_argument("--json-out", help="also write the result as JSON to this file")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``weightsync`` command."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Bucket packing and unpacking: every dtype and shape, chunking, inputs, validation."""
+
+import asyncio
+
+import pytest
+import torch
+
+from weightsync_core.bucketing import ALIGNMENT, BucketPacker, BucketUnpacker
+from weightsync_core.testing import digests, make_weights
+from weightsync_core.verification import host_checksum
+
+BUCKET = 64 << 10
+
+
+def roundtrip(weights, bucket=BUCKET, rollout_dtype=None):
+    """Pack into two buffers and unpack each bucket before the buffer is reused."""
+    buffers = [torch.empty(bucket, dtype=torch.uint8) for _ in range(2)]
+    packer = BucketPacker(buffers, rollout_dtype, host_checksum)
+    unpacker = BucketUnpacker()
+
+    async def run():
+        received = {}
+        async for bucket in packer.pack(weights):
+            assert bucket.meta.checksum == host_checksum(bucket.data)
+            for name, tensor in unpacker.unpack(bucket.data, bucket.meta):
+                received[name] = tensor
+        return received
+
+    received = asyncio.run(run())
+    assert unpacker.incomplete() == []
+    return received, packer
+
+
+def test_standard_profile_roundtrips_bit_exact():
+    weights = make_weights(seed=7, bucket_size=BUCKET)
+    received, packer = roundtrip(weights)
+    assert digests(received) == digests(weights)
+    assert list(received) == list(weights)
+    assert packer.num_tensors == len(weights)
+    assert [name for name, _, _ in packer.manifest] == list(weights)
+
+
+def test_tensor_larger_than_bucket_is_chunked_and_merged():
+    big = torch.arange(10 * BUCKET // 4 + 3, dtype=torch.float32)
+    received, packer = roundtrip({"a": torch.ones(5), "big": big, "b": torch.zeros(2)})
+    assert torch.equal(received["big"], big)
+    assert packer.num_buckets >= 11
+
+
+def test_buckets_never_exceed_bucket_size_and_offsets_are_aligned():
+    weights = make_weights(seed=8, bucket_size=BUCKET)
+    buffers = [torch.empty(BUCKET, dtype=torch.uint8) for _ in range(2)]
+    packer = BucketPacker(buffers)
+
+    async def metas():
+        return [bucket.meta async for bucket in packer.pack(weights)]
+
+    for meta in asyncio.run(metas()):
+        assert meta.nbytes <= BUCKET
+        for tensor in meta.tensors:
+            assert tensor.offset % ALIGNMENT == 0
+            assert tensor.offset + tensor.nbytes <= meta.nbytes
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "generator", "async generator"])
+def test_accepts_sync_and_async_iterables_and_state_dicts(kind):
+    weights = {"x": torch.randn(3, 4), "y": torch.tensor(True)}
+
+    async def agen():
+        for item in weights.items():
+            yield item
+
+    source = {
+        "dict": weights,
+        "list": list(weights.items()),
+        "generator": (item for item in weights.items()),
+        "async generator": agen(),
+    }[kind]
+    received, _ = roundtrip(source)
+    assert digests(received) == digests(weights)
+
+
+def test_rollout_dtype_casts_floating_tensors_only():
+    weights = {"f": torch.randn(4), "i": torch.arange(3), "h": torch.randn(2).half()}
+    received, _ = roundtrip(weights, rollout_dtype=torch.bfloat16)
+    assert received["f"].dtype == torch.bfloat16 and received["h"].dtype == torch.bfloat16
+    assert torch.equal(received["f"], weights["f"].to(torch.bfloat16))
+    assert received["i"].dtype == torch.int64
+
+
+def test_received_tensors_survive_buffer_reuse():
+    weights = {f"t{i}": torch.full((BUCKET // 8,), float(i)) for i in range(6)}
+    received, _ = roundtrip(weights)
+    for i in range(6):
+        assert torch.all(received[f"t{i}"] == i)
+
+
+def test_duplicate_names_are_refused_with_the_name():
+    with pytest.raises(ValueError, match="duplicate tensor name 'w'"):
+        roundtrip([("w", torch.ones(1)), ("w", torch.ones(1))])
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        (("w", [1.0]), "weight 'w' is a list, not a torch.Tensor"),
+        ((3, torch.ones(1)), "tensor names must be strings"),
+        (("w",), r"\(name, tensor\) pairs"),
+    ],
+)
+def test_malformed_items_are_refused(item, message):
+    with pytest.raises(TypeError, match=message):
+        roundtrip([item])
+
+
+def test_non_iterable_weights_are_refused():
+    with pytest.raises(TypeError, match="iterable or async iterable"):
+        roundtrip(42)
+
+
+def test_buffers_must_be_equal_and_big_enough():
+    with pytest.raises(ValueError, match="share one size"):
+        BucketPacker([torch.empty(1024, dtype=torch.uint8), torch.empty(2048, dtype=torch.uint8)])

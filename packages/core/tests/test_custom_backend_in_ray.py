@@ -1,0 +1,52 @@
+"""A backend from a module outside the project, named only in custom_backend_module, is used
+by the driver and inside every Ray worker process; verification catches a corrupting one."""
+
+import pytest
+import ray
+
+from weightsync_core import CheckpointEngineConfig, SyncStageError
+from weightsync_core.testing import SyncHarness
+
+
+def config(backend):
+    return CheckpointEngineConfig(
+        backend=backend, custom_backend_module="acme_weightsync",
+        update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
+    )
+
+
+def test_custom_backend_is_registered_and_used_in_every_process(external_plugins_on_path):
+    harness = SyncHarness(config("acme_gloo"), actor_world_size=1, replica_sizes=(1,))
+    try:
+        manager = harness.manager()
+        assert manager.backend_cls.__module__ == "acme_weightsync"
+        expected = harness.set_weights(seed=31)
+        manager.update_weights_sync(global_steps=31)
+        [report] = harness.reports()
+        assert report["received"] == expected
+        assert report["engine_class"] == "acme_weightsync.AcmeGlooEngine"
+        actor_report = ray.get(harness.actors[0].report.remote())
+        assert actor_report["engine_class"] == "acme_weightsync.AcmeGlooEngine"
+    finally:
+        harness.shutdown()
+
+
+def test_corruption_in_transit_fails_the_sync_naming_the_tensor(external_plugins_on_path):
+    harness = SyncHarness(config("acme_corrupting_gloo"), actor_world_size=1, replica_sizes=(1,))
+    try:
+        harness.set_weights(seed=32)
+        with pytest.raises(SyncStageError) as info:
+            harness.manager().update_weights_sync(global_steps=32)
+        message = str(info.value)
+        assert "VerificationError" in message
+        assert "model.embed.weight" in message
+        assert "rollout rank 0" in message
+    finally:
+        harness.shutdown()
+
+
+def test_path_like_custom_backend_module_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="looks like a file path"):
+        SyncHarness(
+            CheckpointEngineConfig(backend="gloo", custom_backend_module="./acme_weightsync.py")
+        )

@@ -1,0 +1,82 @@
+"""The custom_backend_module and checkpoint_manager_class loading policy."""
+
+import pytest
+
+from weightsync_core import (
+    CheckpointEngineManager,
+    CheckpointEngineRegistry,
+    PluginError,
+    load_checkpoint_manager_class,
+    load_custom_backend_module,
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("/tmp/evil.py", "looks like a file path"),
+        ("plugins/backend", "looks like a file path"),
+        ("backend.py", "looks like a file path"),
+        ("C:\\plugins\\backend", "looks like a file path"),
+        ("https://example.com/backend.py", "looks like a URL"),
+        (".relative.module", "is a relative module name"),
+        ("my-package.backend", "is not a valid dotted Python module name"),
+        ("", "must be a dotted module name"),
+    ],
+)
+def test_non_dotted_names_are_refused(value, problem):
+    with pytest.raises(PluginError, match=problem):
+        load_custom_backend_module(value)
+
+
+def test_none_loads_nothing():
+    assert load_custom_backend_module(None) == []
+
+
+def test_module_outside_the_project_registers_its_backends(external_plugins_on_path):
+    registered = load_custom_backend_module("acme_weightsync")
+    assert registered == ["acme_corrupting_gloo", "acme_gloo"]
+    assert CheckpointEngineRegistry.get("acme_gloo").__module__ == "acme_weightsync"
+    assert load_custom_backend_module(["acme_weightsync"]) == registered  # idempotent
+
+
+def test_module_that_registers_nothing_is_an_error(external_plugins_on_path):
+    with pytest.raises(PluginError, match="registered no backend"):
+        load_custom_backend_module("acme_empty")
+
+
+def test_missing_module_is_an_error():
+    with pytest.raises(PluginError, match="could not be imported"):
+        load_custom_backend_module("acme_does_not_exist")
+
+
+def test_operator_allowlist_refuses_other_prefixes(monkeypatch, external_plugins_on_path):
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company, other_corp.plugins")
+    with pytest.raises(PluginError, match="WEIGHTSYNC_TRUSTED_MODULES=my_company,other_corp"):
+        load_custom_backend_module("acme_weightsync")
+    with pytest.raises(PluginError, match="not allowed"):
+        load_checkpoint_manager_class("acme_managers.CountingManager")
+    with pytest.raises(PluginError, match="not allowed"):
+        load_custom_backend_module("my_company_evil")  # a prefix must match a whole name
+
+
+def test_operator_allowlist_admits_listed_prefixes(monkeypatch, external_plugins_on_path):
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "acme_weightsync,acme_managers")
+    assert "acme_gloo" in load_custom_backend_module("acme_weightsync")
+    assert load_checkpoint_manager_class("acme_managers.CountingManager").__name__ == (
+        "CountingManager"
+    )
+
+
+def test_manager_class_hook(external_plugins_on_path):
+    assert load_checkpoint_manager_class(None) is CheckpointEngineManager
+    counting = load_checkpoint_manager_class("acme_managers:CountingManager")
+    assert issubclass(counting, CheckpointEngineManager)
+    with pytest.raises(PluginError, match="not a subclass of .*CheckpointEngineManager"):
+        load_checkpoint_manager_class("acme_managers.NotAManager")
+    with pytest.raises(PluginError, match="has no attribute"):
+        load_checkpoint_manager_class("acme_managers.Missing")
+    with pytest.raises(PluginError, match="fully qualified"):
+        load_checkpoint_manager_class("CountingManager")
+    with pytest.raises(PluginError, match="file path"):
+        load_checkpoint_manager_class("/tmp/acme_managers.CountingManager")
