@@ -3,7 +3,6 @@
 import importlib.metadata
 
 import pytest
-
 import weightsync_nixl
 from weightsync_core import BackendNotInstalledError, CheckpointEngineRegistry
 
@@ -14,5 +13,6 @@ def test_installed_with_its_own_version():
 
 
 def test_registry_says_this_release_does_not_provide_the_backend():
-    with pytest.raises(BackendNotInstalledError, match="not provided by the installed weightsync-nixl 0.0.1"):
+    expected = "not provided by the installed weightsync-nixl 0.0.1"
+    with pytest.raises(BackendNotInstalledError, match=expected):
         CheckpointEngineRegistry.get("nixl")

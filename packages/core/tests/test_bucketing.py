@@ -4,7 +4,6 @@ import asyncio
 
 import pytest
 import torch
-
 from weightsync_core.bucketing import ALIGNMENT, BucketPacker, BucketUnpacker
 from weightsync_core.testing import digests, make_weights
 from weightsync_core.verification import host_checksum
@@ -12,10 +11,10 @@ from weightsync_core.verification import host_checksum
 BUCKET = 64 << 10
 
 
-def roundtrip(weights, bucket=BUCKET, rollout_dtype=None):
+def roundtrip(weights, bucket=BUCKET, rollout_dtype=None, direct_min_bytes=None):
     """Pack into two buffers and unpack each bucket before the buffer is reused."""
     buffers = [torch.empty(bucket, dtype=torch.uint8) for _ in range(2)]
-    packer = BucketPacker(buffers, rollout_dtype, host_checksum)
+    packer = BucketPacker(buffers, rollout_dtype, host_checksum, direct_min_bytes)
     unpacker = BucketUnpacker()
 
     async def run():
@@ -121,3 +120,24 @@ def test_non_iterable_weights_are_refused():
 def test_buffers_must_be_equal_and_big_enough():
     with pytest.raises(ValueError, match="share one size"):
         BucketPacker([torch.empty(1024, dtype=torch.uint8), torch.empty(2048, dtype=torch.uint8)])
+
+
+def test_large_tensors_are_sent_from_their_own_memory_without_a_copy():
+    big = torch.randn(3 * BUCKET // 4 + 5)  # over 3 buckets: split into direct chunks
+    weights = {"small.0": torch.randn(10), "big": big, "small.1": torch.arange(7)}
+    buffers = [torch.empty(BUCKET, dtype=torch.uint8) for _ in range(2)]
+    packer = BucketPacker(buffers, direct_min_bytes=BUCKET // 2)
+
+    async def direct_pointers():
+        return [bucket.buffer.data_ptr() async for bucket in packer.pack(weights)
+                if bucket.meta.tensors and bucket.meta.tensors[0].name == "big"]
+
+    pointers = asyncio.run(direct_pointers())
+    assert pointers[0] == big.data_ptr() and len(pointers) == 4
+
+
+def test_direct_and_packed_buckets_interleave_bit_exact():
+    weights = make_weights(seed=9, bucket_size=BUCKET)
+    weights["model.mid"] = torch.randn(BUCKET // 4 // 2)  # exactly half a bucket: direct
+    received, _ = roundtrip(weights, direct_min_bytes=BUCKET // 2)
+    assert digests(received) == digests(weights)

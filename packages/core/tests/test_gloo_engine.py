@@ -6,7 +6,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-
 from weightsync_core.engines import GlooCheckpointEngine
 from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
 from weightsync_core.testing import digests, make_weights
@@ -37,7 +36,8 @@ def run_sync(engine_cls, weights, receivers=2, sender_bucket=BUCKET, receiver_bu
         except Exception as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(0, sender, {k: v[0] for k, v in actor_kwargs.items()}))]
+    sender_kwargs = {key: values[0] for key, values in actor_kwargs.items()}
+    threads = [threading.Thread(target=run, args=(0, sender, sender_kwargs))]
     for index, engine in enumerate(rollout):
         kwargs = {key: values[index] for key, values in rollout_kwargs.items()}
         threads.append(threading.Thread(target=run, args=(index + 1, engine, kwargs)))

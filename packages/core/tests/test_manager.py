@@ -4,7 +4,6 @@ import asyncio
 import inspect
 
 import pytest
-
 from weightsync_core import (
     BackendNotInstalledError,
     CheckpointEngineConfig,

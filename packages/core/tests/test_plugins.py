@@ -1,7 +1,6 @@
 """The custom_backend_module and checkpoint_manager_class loading policy."""
 
 import pytest
-
 from weightsync_core import (
     CheckpointEngineManager,
     CheckpointEngineRegistry,
@@ -72,7 +71,7 @@ def test_manager_class_hook(external_plugins_on_path):
     assert load_checkpoint_manager_class(None) is CheckpointEngineManager
     counting = load_checkpoint_manager_class("acme_managers:CountingManager")
     assert issubclass(counting, CheckpointEngineManager)
-    with pytest.raises(PluginError, match="not a subclass of .*CheckpointEngineManager"):
+    with pytest.raises(PluginError, match=r"not a subclass of .*CheckpointEngineManager"):
         load_checkpoint_manager_class("acme_managers.NotAManager")
     with pytest.raises(PluginError, match="has no attribute"):
         load_checkpoint_manager_class("acme_managers.Missing")

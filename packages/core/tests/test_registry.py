@@ -4,7 +4,6 @@ import sys
 import textwrap
 
 import pytest
-
 from weightsync_core import (
     BackendLoadError,
     BackendNotFoundError,

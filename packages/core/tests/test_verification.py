@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from weightsync_core.bucketing import BucketMeta, TensorMeta
 from weightsync_core.errors import VerificationError
 from weightsync_core.verification import DeliveryVerifier, host_checksum
@@ -22,7 +21,7 @@ def test_intact_bucket_passes():
 def test_corrupt_bucket_names_its_tensors():
     data, meta = bucket(["layer.a", "layer.b"])
     data[5] ^= 1
-    with pytest.raises(VerificationError, match="corrupt.*layer.a, layer.b") as info:
+    with pytest.raises(VerificationError, match=r"corrupt.*layer\.a, layer\.b") as info:
         DeliveryVerifier().check_bucket(data, meta, source="actor rank 0")
     assert info.value.tensors == ["layer.a", "layer.b"]
 
@@ -44,5 +43,5 @@ def test_missing_extra_and_mismatched_tensors_are_named():
 
 
 def test_incomplete_chunked_tensor_is_reported():
-    with pytest.raises(VerificationError, match="incomplete.*huge"):
+    with pytest.raises(VerificationError, match=r"incomplete.*huge"):
         DeliveryVerifier().finish([], incomplete=["huge"])

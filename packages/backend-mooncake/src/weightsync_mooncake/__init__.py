@@ -1,3 +1,3 @@
-"""weightsync-mooncake: the `mooncake` checkpoint-engine backend for weightsync (not implemented yet)."""
+"""weightsync-mooncake: the `mooncake` checkpoint-engine backend (not implemented yet)."""
 
 __all__: list[str] = []

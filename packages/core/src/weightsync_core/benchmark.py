@@ -120,7 +120,7 @@ def _raw_broadcast(peers: list[Any], nbytes: int, repeats: int) -> float:
         peer.broadcast.remote(rank, len(peers), master, nbytes, repeats)
         for rank, peer in enumerate(peers)
     ])
-    return statistics.median(max(per_rank) for per_rank in zip(*timings))
+    return statistics.median(max(per_rank) for per_rank in zip(*timings, strict=True))
 
 
 def _object_store(peers: list[Any], nbytes: int, num_tensors: int, repeats: int) -> float:

@@ -152,13 +152,19 @@ def _checked_item(item: object, seen: set[str]) -> tuple[str, torch.Tensor]:
 class BucketPacker:
     """Fills alternating buffers with tensors' bytes and yields each full bucket.
 
-    The consumer must be done with a yielded bucket's buffer before asking for the bucket
-    after the next one: with two buffers, bucket ``k+2`` reuses bucket ``k``'s buffer.
+    The consumer must be done with a yielded bucket before asking for the bucket after the
+    next one: with two buffers, a packed bucket reuses the buffer of the packed bucket two
+    before it.
+
+    A tensor of at least ``direct_min_bytes`` (on the buffers' device) is not copied: it is
+    yielded as bucket(s) of its own whose buffer is the tensor's memory ("direct" buckets,
+    split at the bucket size). This saves one copy of most of a model's bytes.
 
     Attributes:
         buffers: two (or more) ``uint8`` buffers of equal size, on the engine's device.
         rollout_dtype: cast floating-point tensors to this dtype first.
         checksum: if set, computes each bucket's checksum for verification.
+        direct_min_bytes: send tensors at least this large without packing (None: never).
         manifest: after packing, ``(name, shape, dtype)`` of every tensor sent.
         nbytes / num_tensors / num_buckets: counters after packing.
     """
@@ -166,6 +172,7 @@ class BucketPacker:
     buffers: list[torch.Tensor]
     rollout_dtype: torch.dtype | None = None
     checksum: Callable[[torch.Tensor], int] | None = None
+    direct_min_bytes: int | None = None
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
@@ -176,6 +183,7 @@ class BucketPacker:
         if len(sizes) != 1 or min(sizes) < ALIGNMENT:
             raise ValueError(f"buffers must share one size of at least {ALIGNMENT} bytes")
         self.bucket_size = sizes.pop()
+        self._packed = 0
 
     async def pack(self, weights: WeightsSource) -> AsyncIterator[PackedBucket]:
         """Yield filled buckets for ``weights``; the last one may be partly filled or empty."""
@@ -188,13 +196,24 @@ class BucketPacker:
             shape = tuple(tensor.shape)
             self.manifest.append((name, shape, tensor.dtype))
             self.num_tensors += 1
-            if offset > 0 and total > self.bucket_size - offset:
+            direct = (
+                self.direct_min_bytes is not None
+                and total >= self.direct_min_bytes
+                and data.device == self.buffers[0].device
+            )
+            if offset > 0 and (direct or total > self.bucket_size - offset):
                 yield self._flush(metas, end)
                 metas, offset, end = [], 0, 0
+            if direct:
+                for start in range(0, total, self.bucket_size):
+                    piece = min(self.bucket_size, total - start)
+                    meta = TensorMeta(name, shape, tensor.dtype, 0, piece, total, start)
+                    yield self._bucket(data[start : start + piece], [meta], piece)
+                continue
             position = 0
             while True:
                 piece = min(total - position, self.bucket_size - offset)
-                buffer = self.buffers[self.num_buckets % len(self.buffers)]
+                buffer = self.buffers[self._packed % len(self.buffers)]
                 buffer[offset : offset + piece].copy_(data[position : position + piece])
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
@@ -207,7 +226,11 @@ class BucketPacker:
         yield self._flush(metas, end)
 
     def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
-        buffer = self.buffers[self.num_buckets % len(self.buffers)]
+        buffer = self.buffers[self._packed % len(self.buffers)]
+        self._packed += 1
+        return self._bucket(buffer, metas, nbytes)
+
+    def _bucket(self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
         meta = BucketMeta(self.num_buckets, nbytes, metas)
         if self.checksum is not None:
             meta.checksum = self.checksum(buffer[:nbytes])
@@ -249,7 +272,9 @@ class BucketUnpacker:
                 continue
             partial = self._partial.get(tensor_meta.name)
             if partial is None:
-                buffer = torch.empty(tensor_meta.total_nbytes, dtype=torch.uint8, device=data.device)
+                buffer = torch.empty(
+                    tensor_meta.total_nbytes, dtype=torch.uint8, device=data.device
+                )
                 partial = self._partial[tensor_meta.name] = _PartialTensor(tensor_meta, buffer)
             start = tensor_meta.chunk_offset
             partial.data[start : start + tensor_meta.nbytes].copy_(piece)

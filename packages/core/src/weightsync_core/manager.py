@@ -138,7 +138,9 @@ class CheckpointEngineManager:
         except SyncStageError as exc:
             await self._recover(exc, replicas)
             raise
-        self.stale_replicas = [r for r in self.stale_replicas if not any(r is s for s in replicas)]
+        self.stale_replicas = [
+            stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
+        ]
         await stage("resume_generation", self._replica_calls(replicas, "resume_generation"))
 
         total = loop.time() - started
@@ -150,7 +152,9 @@ class CheckpointEngineManager:
             "weightsync/buckets": float(sum(r.get("num_buckets", 0) for r in sent)),
             "weightsync/replicas": float(len(replicas)),
             "weightsync/seconds/total": total,
-            "weightsync/transfer_gbps": nbytes / transfer_seconds / 1e9 if transfer_seconds else 0.0,
+            "weightsync/transfer_gbps": (
+                nbytes / transfer_seconds / 1e9 if transfer_seconds else 0.0
+            ),
             "weightsync/gbps": nbytes / total / 1e9 if total else 0.0,
         })
         return metrics
@@ -159,9 +163,8 @@ class CheckpointEngineManager:
         actor_wg = self.actor_wg
         actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
         if self.backend_cls.is_colocated:
-            return await stage(
-                "transfer", list(zip(actor_names, actor_wg.update_weights(global_steps)))
-            )
+            refs = actor_wg.update_weights(global_steps)
+            return await stage("transfer", list(zip(actor_names, refs, strict=True)))
         workers = [worker for replica in replicas for worker in replica.workers]
         if not workers:
             raise SyncStageError(
@@ -181,7 +184,7 @@ class CheckpointEngineManager:
         def both(method: str, actor_kwargs=None, rollout_kwargs=None) -> list[tuple[str, Any]]:
             refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
             refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
-            return list(zip(names, refs))
+            return list(zip(names, refs, strict=True))
 
         metadata = await stage("prepare", both("prepare"))
         actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(
@@ -189,7 +192,7 @@ class CheckpointEngineManager:
         )
         await stage("init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs))
         refs = actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps)
-        results = await stage("transfer", list(zip(names, refs)))
+        results = await stage("transfer", list(zip(names, refs, strict=True)))
         await stage("finalize", both("finalize"))
         return results[: actor_wg.world_size]
 
@@ -212,12 +215,14 @@ class CheckpointEngineManager:
         if failed and pending:
             # give the other ranks a moment to report, so the root cause can be named
             await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, max(deadline - loop.time(), 0)))
+        outcomes = list(zip([name for name, _ in calls], [call for _, call in calls], tasks,
+                            strict=True))
         failures = [
-            (name, task.exception()) for (name, _), task in zip(calls, tasks)
+            (name, task.exception()) for name, _, task in outcomes
             if task.done() and not task.cancelled() and task.exception() is not None
         ]
-        pending_names = [name for (name, _), task in zip(calls, tasks) if not task.done()]
-        self._cancel([call for (_, call), task in zip(calls, tasks) if not task.done()], tasks)
+        pending_names = [name for name, _, task in outcomes if not task.done()]
+        self._cancel([call for _, call, task in outcomes if not task.done()], tasks)
         if failures:
             failures.sort(key=lambda failure: _is_collateral(failure[1]))
             name, exc = failures[0]
@@ -257,7 +262,9 @@ class CheckpointEngineManager:
                 asyncio.gather(*cleanup, return_exceptions=True), timeout=_CLEANUP_SECONDS
             )
         if error.stage in _TRANSFER_STAGES:
-            self.stale_replicas += [r for r in replicas if not any(r is s for s in self.stale_replicas)]
+            self.stale_replicas += [
+                r for r in replicas if not any(r is stale for stale in self.stale_replicas)
+            ]
             error.args = (
                 f"{error.args[0]}. The {len(replicas)} replica(s) in this sync were left paused "
                 "with incomplete weights (see manager.stale_replicas); fix the cause and call "

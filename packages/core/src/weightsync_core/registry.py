@@ -11,12 +11,13 @@ Backends come from three sources, consulted in this order:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import enum
 import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from weightsync_core.errors import (
     BackendLoadError,
@@ -82,7 +83,7 @@ KNOWN_BACKENDS: Mapping[str, KnownBackend] = {
 }
 
 
-class BackendState(str, enum.Enum):
+class BackendState(enum.StrEnum):
     """Where a backend stands in this process."""
 
     LOADED = "loaded"
@@ -122,9 +123,9 @@ def _describe_import_error(exc: BaseException) -> str:
 class CheckpointEngineRegistry:
     """Name -> engine class, with lazy entry points and install hints for missing backends."""
 
-    _registry: dict[str, type[CheckpointEngine]] = {}
-    _broken: dict[str, str] = {}
-    _entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+    _registry: ClassVar[dict[str, type[CheckpointEngine]]] = {}
+    _broken: ClassVar[dict[str, str]] = {}
+    _entry_points: ClassVar[dict[str, importlib.metadata.EntryPoint] | None] = None
 
     @classmethod
     def register(cls, name: str) -> Callable[[EngineT], EngineT]:
@@ -215,10 +216,8 @@ class CheckpointEngineRegistry:
         report: dict[str, BackendInfo] = {}
         for name in names:
             if probe and name not in cls._registry and name in entry_points:
-                try:
+                with contextlib.suppress(BackendLoadError):
                     cls.get(name)
-                except BackendLoadError:
-                    pass
             report[name] = cls._info(name, entry_points.get(name))
         return report
 

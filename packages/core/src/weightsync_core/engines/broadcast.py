@@ -71,6 +71,10 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         group_name: prefix of this engine's keys in the rendezvous store.
         keep_buffers: keep bucket buffers allocated between syncs (no re-allocation and page
             faults on every sync); turn off to give the memory back after each sync.
+        direct_send_megabytes: tensors at least this large (MiB) are broadcast from their
+            own memory instead of being copied into a bucket (default: half a bucket; 0
+            sends every tensor directly, a negative value never does). Each direct bucket
+            costs one extra round trip, so only large tensors gain.
         **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
     """
 
@@ -83,9 +87,16 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         host: str | None = None,
         group_name: str = "weightsync",
         keep_buffers: bool = True,
+        direct_send_megabytes: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(bucket_size, **kwargs)
+        if direct_send_megabytes is None:
+            self.direct_min_bytes: int | None = max(self.bucket_size // 2, 1)
+        elif direct_send_megabytes < 0:
+            self.direct_min_bytes = None
+        else:
+            self.direct_min_bytes = max(int(direct_send_megabytes * (1 << 20)), 1)
         self.host = host
         self.group_name = group_name
         self.keep_buffers = keep_buffers
@@ -179,7 +190,8 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 pass
             return TransferStats(seconds=time.perf_counter() - start)
         packer = BucketPacker(
-            self._send_buffers, self.rollout_dtype, self._checksum if self.verify else None
+            self._send_buffers, self.rollout_dtype,
+            self._checksum if self.verify else None, self.direct_min_bytes,
         )
         in_flight: asyncio.Future | None = None
         try:

@@ -25,7 +25,7 @@ from weightsync_core.testing.weights import (
 )
 from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
-__all__ = ["RecordingServerAdapter", "RecordingRolloutWorker", "WeightSourceActor"]
+__all__ = ["RecordingRolloutWorker", "RecordingServerAdapter", "WeightSourceActor"]
 
 
 class RecordingServerAdapter:
@@ -104,7 +104,9 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
         self.colocated_adapter = RecordingServerAdapter()
         self.init_checkpoint_engine(config, self.colocated_adapter)
 
-    def set_weights(self, seed: int, profile: str = "standard", faults: Faults | None = None) -> int:
+    def set_weights(
+        self, seed: int, profile: str = "standard", faults: Faults | None = None
+    ) -> int:
         """Regenerate the weights from ``seed``; returns their total size in bytes."""
         self.weights = make_weights(seed, self.config.bucket_size_bytes, profile)
         self.faults = faults or Faults()
