@@ -16,3 +16,9 @@ def test_registry_says_this_release_does_not_provide_the_backend():
     expected = "not provided by the installed weightsync-nccl 0.0.1"
     with pytest.raises(BackendNotInstalledError, match=expected):
         CheckpointEngineRegistry.get("nccl")
+
+
+def test_available_reports_the_installed_release_without_the_backend():
+    row = CheckpointEngineRegistry.available()["nccl"]
+    assert row.state.value == "not installed"
+    assert row.reason == "weightsync-nccl 0.0.1 is installed but does not provide it"

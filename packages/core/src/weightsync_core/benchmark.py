@@ -6,7 +6,6 @@ their ratio is meaningful even where absolute seconds are not.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -37,27 +36,26 @@ class RawBroadcastPeer:
         host = default_host()
         return {"host": host, "port": find_free_port(host)}
 
-    def broadcast(
-        self, rank: int, world_size: int, master: dict[str, Any], nbytes: int, repeats: int
-    ) -> list[float]:
+    def setup(self, rank: int, world_size: int, master: dict[str, Any], nbytes: int) -> None:
+        """Join the raw group and allocate (and touch) the buffer."""
         store = create_store(master["host"], master["port"], rank, world_size, 120, "raw")
         rendezvous(store, rank, world_size, 120)
-        group = new_gloo_group(store, rank, world_size, 120, default_host())
-        buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(
-            nbytes, dtype=torch.uint8
-        )
+        self.group = new_gloo_group(store, rank, world_size, 120, default_host())
+        fill = 1 if rank == 0 else 0
+        self.buffer = torch.full((nbytes,), fill, dtype=torch.uint8)
+
+    def broadcast(self) -> float:
+        """Seconds for one broadcast of the whole buffer from rank 0, barrier to barrier."""
         options = BroadcastOptions()
         options.rootRank = 0
-        timings = []
-        for _ in range(repeats):
-            group.barrier().wait()
-            start = time.perf_counter()
-            group.broadcast([buffer], options).wait()
-            group.barrier().wait()
-            timings.append(time.perf_counter() - start)
-        return timings
+        self.group.barrier().wait()
+        start = time.perf_counter()
+        self.group.broadcast([self.buffer], options).wait()
+        self.group.barrier().wait()
+        return time.perf_counter() - start
 
     def fetch(self, wrapped: list[ray.ObjectRef]) -> int:
+        """Get a state dict from the object store; returns its size in bytes."""
         state_dict = ray.get(wrapped[0])
         return sum(t.numel() * t.element_size() for t in state_dict.values())
 
@@ -114,26 +112,11 @@ class BenchmarkResult:
         return "\n".join(lines)
 
 
-def _raw_broadcast(peers: list[Any], nbytes: int, repeats: int) -> float:
-    master = ray.get(peers[0].prepare.remote())
-    timings = ray.get([
-        peer.broadcast.remote(rank, len(peers), master, nbytes, repeats)
-        for rank, peer in enumerate(peers)
-    ])
-    return statistics.median(max(per_rank) for per_rank in zip(*timings, strict=True))
-
-
-def _object_store(peers: list[Any], nbytes: int, num_tensors: int, repeats: int) -> float:
-    numel = nbytes // num_tensors // 4
-    state_dict = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
-    timings = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ref = ray.put(state_dict)
-        ray.get([peer.fetch.remote([ref]) for peer in peers])
-        timings.append(time.perf_counter() - start)
-        del ref
-    return statistics.median(timings)
+def _object_store_seconds(peers: list[Any], state_dict: dict[str, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    ref = ray.put(state_dict)
+    ray.get([peer.fetch.remote([ref]) for peer in peers])
+    return time.perf_counter() - start
 
 
 def run_gloo_benchmark(
@@ -141,40 +124,50 @@ def run_gloo_benchmark(
     receivers: int = 2,
     bucket_megabytes: int = 256,
     num_tensors: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
     verify: bool = True,
 ) -> BenchmarkResult:
-    """Measure the ``gloo`` engine, raw gloo broadcast and the Ray object store in one run."""
+    """Measure the ``gloo`` engine, raw gloo broadcast and the Ray object store in one run.
+
+    Engine syncs and raw broadcasts alternate, so drifting load on the machine affects both
+    alike; each figure is the median of ``repeats``.
+    """
     ensure_ray()
     config = CheckpointEngineConfig(
         backend="gloo", update_weights_bucket_megabytes=bucket_megabytes, verify=verify,
         sync_timeout_seconds=600,
     )
     harness = SyncHarness(config, actor_world_size=1, replica_sizes=(receivers,))
+    peer_cls = ray.remote(num_cpus=0)(RawBroadcastPeer)
+    peers = [peer_cls.remote() for _ in range(receivers + 1)]
     try:
         nbytes = ray.get(harness.actors[0].set_uniform_weights.remote(
             size_megabytes << 20, num_tensors
         ))
         workers = harness.replicas[0].workers
         ray.get([worker.set_faults.remote(discard=True) for worker in workers])
+        master = ray.get(peers[0].prepare.remote())
+        ray.get([peer.setup.remote(rank, len(peers), master, nbytes)
+                 for rank, peer in enumerate(peers)])
         manager = harness.manager()
-        manager.update_weights_sync(global_steps=0)  # warm-up
-        transfer, total = [], []
+        manager.update_weights_sync(global_steps=0)  # warm-up: groups, buffers, page faults
+        ray.get([peer.broadcast.remote() for peer in peers])
+        transfer, total, raw = [], [], []
         for step in range(1, repeats + 1):
-            metrics = asyncio.run(manager.update_weights(global_steps=step))
+            metrics = manager.update_weights_sync(global_steps=step)
             transfer.append(metrics["weightsync/seconds/transfer"])
             total.append(metrics["weightsync/seconds/total"])
+            raw.append(max(ray.get([peer.broadcast.remote() for peer in peers])))
+        numel = nbytes // num_tensors // 4
+        state_dict = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
+        object_store = statistics.median(
+            _object_store_seconds(peers[1:], state_dict) for _ in range(repeats)
+        )
     finally:
         harness.shutdown()
-    peer_cls = ray.remote(num_cpus=0)(RawBroadcastPeer)
-    peers = [peer_cls.remote() for _ in range(receivers + 1)]
-    try:
-        raw = _raw_broadcast(peers, nbytes, repeats)
-        object_store = _object_store(peers[1:], nbytes, num_tensors, repeats)
-    finally:
         for peer in peers:
             ray.kill(peer)
     return BenchmarkResult(
-        nbytes, receivers, bucket_megabytes, verify,
-        statistics.median(transfer), statistics.median(total), raw, object_store,
+        nbytes, receivers, bucket_megabytes, verify, statistics.median(transfer),
+        statistics.median(total), statistics.median(raw), object_store,
     )

@@ -78,10 +78,14 @@ class BucketMeta:
 
 @dataclass(slots=True)
 class PackedBucket:
-    """A filled bucket: its buffer and the metadata that describes ``buffer[:meta.nbytes]``."""
+    """A filled bucket: its buffer and the metadata that describes ``buffer[:meta.nbytes]``.
+
+    ``direct`` buckets are views of a tensor's own memory, not one of the packer's buffers.
+    """
 
     buffer: torch.Tensor
     meta: BucketMeta
+    direct: bool = False
 
     @property
     def data(self) -> torch.Tensor:
@@ -152,9 +156,9 @@ def _checked_item(item: object, seen: set[str]) -> tuple[str, torch.Tensor]:
 class BucketPacker:
     """Fills alternating buffers with tensors' bytes and yields each full bucket.
 
-    The consumer must be done with a yielded bucket before asking for the bucket after the
-    next one: with two buffers, a packed bucket reuses the buffer of the packed bucket two
-    before it.
+    The consumer must be done with a packed bucket before asking for a bucket after the next
+    packed one: with two buffers, a packed bucket reuses the buffer of the packed bucket two
+    before it. Direct buckets reuse nothing.
 
     A tensor of at least ``direct_min_bytes`` (on the buffers' device) is not copied: it is
     yielded as bucket(s) of its own whose buffer is the tensor's memory ("direct" buckets,
@@ -208,7 +212,7 @@ class BucketPacker:
                 for start in range(0, total, self.bucket_size):
                     piece = min(self.bucket_size, total - start)
                     meta = TensorMeta(name, shape, tensor.dtype, 0, piece, total, start)
-                    yield self._bucket(data[start : start + piece], [meta], piece)
+                    yield self._bucket(data[start : start + piece], [meta], piece, direct=True)
                 continue
             position = 0
             while True:
@@ -230,13 +234,15 @@ class BucketPacker:
         self._packed += 1
         return self._bucket(buffer, metas, nbytes)
 
-    def _bucket(self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
+    def _bucket(
+        self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int, direct: bool = False
+    ) -> PackedBucket:
         meta = BucketMeta(self.num_buckets, nbytes, metas)
         if self.checksum is not None:
             meta.checksum = self.checksum(buffer[:nbytes])
         self.num_buckets += 1
         self.nbytes += nbytes
-        return PackedBucket(buffer, meta)
+        return PackedBucket(buffer, meta, direct)
 
 
 @dataclass

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--receivers", type=int, default=2, help="rollout workers")
     bench.add_argument("--bucket-mb", type=int, default=256, help="bucket size (MiB)")
     bench.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
-    bench.add_argument("--repeats", type=int, default=3, help="timed repetitions (median)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
     bench.set_defaults(run=_bench)

@@ -138,16 +138,7 @@ class CheckpointEngineRegistry:
             raise BackendRegistrationError(f"backend name must be a non-empty string: {name!r}")
 
         def decorator(engine_cls: EngineT) -> EngineT:
-            cls._check_engine_class(name, engine_cls)
-            existing = cls._registry.get(name)
-            if existing is not None and existing is not engine_cls:
-                raise BackendRegistrationError(
-                    f"backend {name!r} is already registered to "
-                    f"{existing.__module__}.{existing.__qualname__}; refusing to replace it with "
-                    f"{engine_cls.__module__}.{engine_cls.__qualname__}. Pick another name."
-                )
-            cls._registry[name] = engine_cls
-            cls._broken.pop(name, None)
+            cls._store(name, engine_cls)
             return engine_cls
 
         return decorator
@@ -250,9 +241,13 @@ class CheckpointEngineRegistry:
             return BackendInfo(
                 name, BackendState.INSTALLED, distribution, target, None, None, description
             )
+        installed_version = _distribution_version(distribution) if distribution else None
+        reason = f"{distribution} is not installed"
+        if installed_version is not None:
+            reason = f"{distribution} {installed_version} is installed but does not provide it"
+            hint = f"pip install -U {distribution}"
         return BackendInfo(
-            name, BackendState.NOT_INSTALLED, distribution, None,
-            f"{distribution} is not installed", hint, description,
+            name, BackendState.NOT_INSTALLED, distribution, None, reason, hint, description
         )
 
     @classmethod
@@ -286,15 +281,23 @@ class CheckpointEngineRegistry:
                 "error above (usually a missing native library or wrong wheel for this "
                 "platform), then retry."
             ) from exc
+        cls._store(name, engine_cls, f"entry point {entry_point.value!r} of {dist}")
+        return engine_cls
+
+    @classmethod
+    def _store(cls, name: str, engine_cls: object, origin: str = "the decorator") -> None:
+        """Register ``engine_cls`` as ``name`` unless that would replace another class."""
         cls._check_engine_class(name, engine_cls)
         existing = cls._registry.get(name)
         if existing is not None and existing is not engine_cls:
             raise BackendRegistrationError(
-                f"entry point {name!r} of {dist} points to {entry_point.value!r}, but the name "
-                f"is registered to {existing.__module__}.{existing.__qualname__}"
+                f"backend {name!r} is already registered to "
+                f"{existing.__module__}.{existing.__qualname__}; refusing to replace it with "
+                f"{engine_cls.__module__}.{engine_cls.__qualname__} (from {origin}). "
+                "Pick another name."
             )
         cls._registry[name] = engine_cls
-        return engine_cls
+        cls._broken.pop(name, None)
 
     @staticmethod
     def _check_engine_class(name: str, engine_cls: object) -> None:

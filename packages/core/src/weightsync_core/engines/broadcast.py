@@ -21,6 +21,7 @@ import contextlib
 import enum
 import pickle
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -50,6 +51,8 @@ from weightsync_core.verification import DeliveryVerifier, host_checksum
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
 _SENDER = "actor rank 0"
+_MAX_IN_FLIGHT = 4
+"""Messages the sender keeps posted ahead of the receivers."""
 
 
 class _Kind(enum.IntEnum):
@@ -193,21 +196,25 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self._send_buffers, self.rollout_dtype,
             self._checksum if self.verify else None, self.direct_min_bytes,
         )
-        in_flight: asyncio.Future | None = None
+        in_flight: deque[tuple[asyncio.Future, bool]] = deque()
         try:
             async for bucket in packer.pack(weights):
                 self._synchronize_device()
-                if in_flight is not None:
-                    await in_flight
                 works = self._post_message(_Kind.BUCKET, bucket.meta, bucket.data)
-                in_flight = asyncio.ensure_future(run_blocking(self._wait, works))
-            if in_flight is not None:
-                await in_flight
-            in_flight = None
+                waiter = asyncio.ensure_future(run_blocking(self._wait, works))
+                in_flight.append((waiter, bucket.direct))
+                # Before the packer fills again, the packed bucket before the latest one must
+                # have left (its buffer is next); and only so many messages stay on the wire.
+                while len(in_flight) > _MAX_IN_FLIGHT or sum(
+                    not direct for _, direct in in_flight
+                ) > 1:
+                    await in_flight.popleft()[0]
+            while in_flight:
+                await in_flight.popleft()[0]
             final = {"manifest": packer.manifest, "global_steps": global_steps}
             await self._send_message(_Kind.FINAL, final)
         except Exception as exc:
-            await self._abort(in_flight, exc)
+            await self._abort([waiter for waiter, _ in in_flight], exc)
             raise
         return TransferStats(
             packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
@@ -336,12 +343,12 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         so the event loop stays free to hand out the previous bucket meanwhile."""
         return await run_blocking(self._receive_message_blocking, buffer)
 
-    async def _abort(self, in_flight: asyncio.Future | None, exc: BaseException) -> None:
+    async def _abort(self, in_flight: list[asyncio.Future], exc: BaseException) -> None:
         """Tell receivers the sync is off, so they raise instead of waiting for a timeout."""
-        if in_flight is not None:
+        for waiter in in_flight:
             with contextlib.suppress(Exception):
-                await in_flight
-            if in_flight.cancelled() or in_flight.exception() is not None:
+                await waiter
+            if waiter.cancelled() or waiter.exception() is not None:
                 return  # the group itself is broken; receivers will see that error
         if isinstance(exc, TransferError):
             return

@@ -169,43 +169,48 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 "abort_all_requests", "release_kv_cache", "resume_generation"
             ]
 
-    def test_stalled_receiver_times_out_instead_of_hanging(self, harness: SyncHarness) -> None:
-        stalled = harness.new_replica(1, name="stalled")
-        ray.get(stalled.workers[0].set_faults.remote(stall_after=5))
+    def _sync_with_a_broken_replica(
+        self, harness: SyncHarness, error: type[Exception], timeout: float, **faults: int
+    ):
+        """Sync a healthy replica plus a new one whose server misbehaves as ``faults`` says;
+        check the sync raises ``error`` within the timeout. Returns the manager, the healthy
+        and the broken replica, and the error."""
+        broken = harness.new_replica(1, name="broken")
+        ray.get(broken.workers[0].set_faults.remote(**faults))
         healthy = harness.replicas[0]
-        manager = harness.manager([healthy, stalled], sync_timeout_seconds=8)
+        manager = harness.manager([healthy, broken], sync_timeout_seconds=timeout)
         harness.set_weights(seed=23)
         start = time.monotonic()
-        with pytest.raises(SyncTimeoutError) as info:
+        with pytest.raises(error) as info:
             manager.update_weights_sync(global_steps=23)
-        assert time.monotonic() - start < 8 + 15
-        assert "rollout rank 1 (replica 1, worker 0)" in info.value.pending
-        assert manager.stale_replicas == [healthy, stalled]
-        ray.kill(stalled.workers[0])
-        manager.remove_replicas([stalled])
+        assert time.monotonic() - start < timeout + 15
+        assert info.value.stage == "transfer"
+        return manager, healthy, broken, info.value
+
+    def _survivors_sync(self, harness: SyncHarness, manager, healthy, broken) -> None:
+        manager.remove_replicas([broken])
         expected = harness.set_weights(seed=24)
         manager.update_weights_sync(global_steps=24)
         assert manager.stale_replicas == []
         self.assert_delivered(harness, expected, [healthy])
 
+    def test_stalled_receiver_times_out_instead_of_hanging(self, harness: SyncHarness) -> None:
+        manager, healthy, broken, error = self._sync_with_a_broken_replica(
+            harness, SyncTimeoutError, timeout=8, stall_after=5
+        )
+        assert "rollout rank 1 (replica 1, worker 0)" in error.pending
+        assert manager.stale_replicas == [healthy, broken]
+        ray.kill(broken.workers[0])
+        self._survivors_sync(harness, manager, healthy, broken)
+
     def test_receiver_that_dies_fails_the_sync_then_survivors_sync(
         self, harness: SyncHarness
     ) -> None:
-        doomed = harness.new_replica(1, name="doomed")
-        ray.get(doomed.workers[0].set_faults.remote(die_after=5))
-        healthy = harness.replicas[0]
-        manager = harness.manager([healthy, doomed], sync_timeout_seconds=30)
-        harness.set_weights(seed=25)
-        start = time.monotonic()
-        with pytest.raises(SyncStageError) as info:
-            manager.update_weights_sync(global_steps=25)
-        assert time.monotonic() - start < 30 + 15
-        assert info.value.stage == "transfer"
-        assert "replica 1" in str(info.value)
-        manager.remove_replicas([doomed])
-        expected = harness.set_weights(seed=26)
-        manager.update_weights_sync(global_steps=26)
-        self.assert_delivered(harness, expected, [healthy])
+        manager, healthy, broken, error = self._sync_with_a_broken_replica(
+            harness, SyncStageError, timeout=30, die_after=5
+        )
+        assert "replica 1" in str(error)
+        self._survivors_sync(harness, manager, healthy, broken)
 
 
 class ColocatedEngineConformanceTests(_ConformanceBase):
