@@ -3,6 +3,7 @@
 import importlib.metadata
 
 import pytest
+
 import weightsync_kimi
 from weightsync_core import BackendNotInstalledError, CheckpointEngineRegistry
 

@@ -3,6 +3,7 @@
 import importlib.metadata
 
 import pytest
+
 import weightsync_mooncake
 from weightsync_core import BackendNotInstalledError, CheckpointEngineRegistry
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from weightsync_core.testing import ensure_ray
 
 EXTERNAL_PLUGINS = Path(__file__).parent / "external_plugins"

@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 import torch
+
 from weightsync_core.bucketing import ALIGNMENT, BucketPacker, BucketUnpacker
 from weightsync_core.testing import digests, make_weights
 from weightsync_core.verification import host_checksum

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from weightsync_core import CheckpointEngineConfig
 from weightsync_core.config import parse_dtype
 

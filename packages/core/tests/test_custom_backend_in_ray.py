@@ -3,6 +3,7 @@ by the driver and inside every Ray worker process; verification catches a corrup
 
 import pytest
 import ray
+
 from weightsync_core import CheckpointEngineConfig, SyncStageError
 from weightsync_core.testing import SyncHarness
 

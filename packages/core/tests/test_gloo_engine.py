@@ -3,9 +3,9 @@
 import asyncio
 import threading
 
-import pytest
 import torch
 import torch.distributed as dist
+
 from weightsync_core.engines import GlooCheckpointEngine
 from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
 from weightsync_core.testing import digests, make_weights
@@ -13,40 +13,64 @@ from weightsync_core.testing import digests, make_weights
 BUCKET = 256 << 10
 
 
-def run_sync(engine_cls, weights, receivers=2, sender_bucket=BUCKET, receiver_bucket=BUCKET):
-    """One sender and ``receivers`` receivers on threads; returns per-rank results/errors."""
-    sender = engine_cls(sender_bucket, host="127.0.0.1", timeout=20)
-    rollout = [engine_cls(receiver_bucket, host="127.0.0.1", timeout=20) for _ in range(receivers)]
-    metadata = [sender.prepare()] + [engine.prepare() for engine in rollout]
-    actor_kwargs, rollout_kwargs = engine_cls.build_topology(1, receivers, metadata)
-    results: dict[int, object] = {}
+class ThreadedSync:
+    """Actor and rollout engines in this process; each rank runs on its own thread per sync."""
 
-    def run(rank, engine, kwargs):
-        async def body():
-            engine.init_process_group(**kwargs)
+    def __init__(self, engine_cls, actors=1, receivers=2, bucket=BUCKET, receiver_bucket=None,
+                 **kwargs):
+        self.engine_cls = engine_cls
+        options = {"host": "127.0.0.1", "timeout": 20, **kwargs}
+        self.actors = [engine_cls(bucket, **options) for _ in range(actors)]
+        self.rollout = [engine_cls(receiver_bucket or bucket, **options)
+                        for _ in range(receivers)]
+
+    def sync(self, weights):
+        """Run one sync; ``weights`` is a state dict or a zero-argument factory of a stream.
+        Returns (actor results, rollout results, actor kwargs): stats/dicts or exceptions."""
+        engines = self.actors + self.rollout
+        metadata = [engine.prepare() for engine in engines]
+        actor_kwargs, rollout_kwargs = self.engine_cls.build_topology(
+            len(self.actors), len(self.rollout), metadata
+        )
+        per_rank = [{key: values[i] for key, values in actor_kwargs.items()}
+                    for i in range(len(self.actors))]
+        per_rank += [{key: values[i] for key, values in rollout_kwargs.items()}
+                     for i in range(len(self.rollout))]
+        results: list[object] = [None] * len(engines)
+
+        def run(index):
+            engine, sending = engines[index], index < len(self.actors)
+
+            async def body():
+                engine.init_process_group(**per_rank[index])
+                try:
+                    if sending:
+                        stream = weights() if callable(weights) else weights
+                        return await engine.send_weights(stream)
+                    return {name: tensor async for name, tensor in engine.receive_weights()}
+                finally:
+                    engine.finalize()
+
             try:
-                if rank == 0:
-                    return await engine.send_weights(weights)
-                return {name: tensor async for name, tensor in engine.receive_weights()}
-            finally:
-                engine.finalize()
+                results[index] = asyncio.run(body())
+            except Exception as exc:
+                results[index] = exc
 
-        try:
-            results[rank] = asyncio.run(body())
-        except Exception as exc:
-            results[rank] = exc
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a rank hung"
+        return results[: len(self.actors)], results[len(self.actors):], actor_kwargs
 
-    sender_kwargs = {key: values[0] for key, values in actor_kwargs.items()}
-    threads = [threading.Thread(target=run, args=(0, sender, sender_kwargs))]
-    for index, engine in enumerate(rollout):
-        kwargs = {key: values[index] for key, values in rollout_kwargs.items()}
-        threads.append(threading.Thread(target=run, args=(index + 1, engine, kwargs)))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
-    return results
+
+def run_sync(engine_cls, weights, receivers=2, receiver_bucket=None):
+    """One sync from one sender; results indexed by group rank (0 = sender)."""
+    sent, received, _ = ThreadedSync(
+        engine_cls, receivers=receivers, receiver_bucket=receiver_bucket
+    ).sync(weights)
+    return dict(enumerate(sent + received))
 
 
 def test_bit_exact_without_touching_the_default_process_group():
@@ -66,7 +90,7 @@ def test_sender_failure_reaches_receivers_as_an_abort_not_a_hang():
         yield "b", torch.ones(BUCKET // 2)
         raise RuntimeError("generator exploded")
 
-    results = run_sync(GlooCheckpointEngine, weights())
+    results = run_sync(GlooCheckpointEngine, weights)
     assert isinstance(results[0], RuntimeError)
     for rank in (1, 2):
         assert isinstance(results[rank], SenderAbortedError)
@@ -89,20 +113,13 @@ def test_corruption_on_the_wire_is_caught_and_names_the_tensors():
 
 def test_mismatched_bucket_sizes_are_reported():
     results = run_sync(
-        GlooCheckpointEngine, {"w": torch.randn(BUCKET // 2)}, receivers=1,
+        GlooCheckpointEngine, {"w": torch.randn(BUCKET // 8)}, receivers=1,
         receiver_bucket=BUCKET // 4,
     )
     assert isinstance(results[1], TransferError)
     assert "update_weights_bucket_megabytes" in str(results[1])
 
 
-def test_build_topology_matches_verl():
-    metadata = [{"host": "h", "port": 1}] * 5
-    actor, rollout = GlooCheckpointEngine.build_topology(2, 3, metadata)
-    assert actor == {"rank": [0, -1], "world_size": [4, 4], "master_metadata": [metadata[0]] * 2}
-    assert rollout["rank"] == [1, 2, 3]
-    with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
-        GlooCheckpointEngine.build_topology(1, 0, metadata)
 
 
 def test_consumer_that_keeps_every_tensor_never_sees_them_overwritten():
@@ -126,3 +143,73 @@ def test_streaming_consumer_reuses_three_receive_buffers():
     assert buffers.take(13).data_ptr() != kept.data_ptr()
     assert buffers.allocations == 4
     del held
+
+
+def test_group_is_reused_across_syncs_unless_rebuild_group():
+    weights = {"w": torch.randn(1000)}
+    reused = ThreadedSync(GlooCheckpointEngine, receivers=2)
+    reused.sync(weights)
+    first = reused.rollout[0]._control
+    _, received, kwargs = reused.sync(weights)
+    assert kwargs["master_metadata"][0]["reuse"] is True
+    assert reused.rollout[0]._control is first
+    assert torch.equal(received[1]["w"], weights["w"])
+
+    rebuilt = ThreadedSync(GlooCheckpointEngine, receivers=2, rebuild_group=True)
+    rebuilt.sync(weights)
+    _, received, kwargs = rebuilt.sync(weights)
+    assert kwargs["master_metadata"][0]["reuse"] is False
+    assert torch.equal(received[0]["w"], weights["w"])
+
+
+def test_group_is_rebuilt_after_a_failed_sync():
+    def failing():
+        yield "a", torch.ones(10)
+        raise RuntimeError("boom")
+
+    engines = ThreadedSync(GlooCheckpointEngine, receivers=2)
+    engines.sync({"w": torch.ones(3)})
+    sent, _, _ = engines.sync(failing)
+    assert isinstance(sent[0], RuntimeError)
+    weights = {"w": torch.randn(50)}
+    sent, received, kwargs = engines.sync(weights)
+    assert kwargs["master_metadata"][0]["reuse"] is False
+    assert all(torch.equal(r["w"], weights["w"]) for r in received)
+
+
+def test_relays_widen_the_fan_out_and_deliver_bit_exact():
+    weights = make_weights(seed=4, bucket_size=BUCKET)
+    engines = ThreadedSync(GlooCheckpointEngine, actors=3, receivers=3, senders=2)
+    sent, received, kwargs = engines.sync(weights)
+    assert kwargs["rank"] == [0, 0, -1]
+    assert sent[0].num_tensors == sent[1].num_tensors == len(weights)
+    assert sent[2].num_tensors == 0  # idle rank only drained its stream
+    for tensors in received:
+        assert digests(tensors) == digests(weights)
+
+
+def test_group_init_fails_fast_naming_the_ranks_that_never_arrived():
+    from weightsync_core.errors import GroupInitTimeoutError
+
+    engines = [GlooCheckpointEngine(BUCKET, host="127.0.0.1", group_init_timeout=2)
+               for _ in range(3)]
+    metadata = [engine.prepare() for engine in engines]
+    actor, rollout = GlooCheckpointEngine.build_topology(1, 2, metadata)
+    arguments = [{key: values[0] for key, values in actor.items()},
+                 {key: values[0] for key, values in rollout.items()}]
+    errors = {}
+
+    def join(index):
+        try:
+            engines[index].init_process_group(**arguments[index])
+        except GroupInitTimeoutError as exc:
+            errors[index] = exc
+
+    threads = [threading.Thread(target=join, args=(index,)) for index in (0, 1)]
+    for thread in threads:  # group rank 2 never arrives
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert set(errors) == {0, 1}
+    assert errors[0].missing_ranks == [2]
+    assert "rank(s) [2] never arrived" in str(errors[1])

@@ -4,6 +4,7 @@ import asyncio
 import inspect
 
 import pytest
+
 from weightsync_core import (
     BackendNotInstalledError,
     CheckpointEngineConfig,

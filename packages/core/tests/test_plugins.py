@@ -1,6 +1,7 @@
 """The custom_backend_module and checkpoint_manager_class loading policy."""
 
 import pytest
+
 from weightsync_core import (
     CheckpointEngineManager,
     CheckpointEngineRegistry,

@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+
 from weightsync_core.errors import GroupInitTimeoutError
 from weightsync_core.process_group import create_store, find_free_port, rendezvous
 

@@ -4,6 +4,7 @@ import sys
 import textwrap
 
 import pytest
+
 from weightsync_core import (
     BackendLoadError,
     BackendNotFoundError,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from weightsync_core.bucketing import BucketMeta, TensorMeta
 from weightsync_core.errors import VerificationError
 from weightsync_core.verification import DeliveryVerifier, host_checksum
@@ -45,3 +46,17 @@ def test_missing_extra_and_mismatched_tensors_are_named():
 def test_incomplete_chunked_tensor_is_reported():
     with pytest.raises(VerificationError, match=r"incomplete.*huge"):
         DeliveryVerifier().finish([], incomplete=["huge"])
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 4099])
+def test_device_checksum_detects_any_single_bit_flip(size):
+    from weightsync_core.verification import device_checksum
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    reference = device_checksum(data)
+    assert device_checksum(data.clone()) == reference
+    for position in {0, size // 2, size - 1} if size else set():
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[position] ^= 1 << bit
+            assert device_checksum(flipped) != reference

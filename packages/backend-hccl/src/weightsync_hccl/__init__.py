@@ -1,3 +1,9 @@
-"""weightsync-hccl: the `hccl` checkpoint-engine backend for weightsync (not implemented yet)."""
+"""weightsync-hccl: the ``hccl`` checkpoint-engine backend (collective broadcast on Ascend).
 
-__all__: list[str] = []
+Importing this module imports ``torch_npu``; when it is missing, the registry shows that
+import error and how to install it.
+"""
+
+from weightsync_hccl.engine import HCCLCheckpointEngine
+
+__all__ = ["HCCLCheckpointEngine"]

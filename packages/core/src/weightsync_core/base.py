@@ -97,7 +97,14 @@ class CheckpointEngine(ABC):
 
     @abstractmethod
     def finalize(self) -> None:
-        """Release this sync's groups and memory; safe to call after a failure, and twice."""
+        """End this sync (an engine may keep its group for the next one); safe to call after
+        a failure, and twice."""
+
+    def abort(self) -> None:
+        """Release everything after a failed sync, whatever state the peers are in. The
+        manager calls it on every reachable worker when a sync fails; by default it is
+        :meth:`finalize`."""
+        self.finalize()
 
 
 class CheckpointEngineWithCache(CheckpointEngine):

@@ -114,8 +114,9 @@ class CheckpointEngineManager:
     async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
         """Move the actor's current weights to every replica; return metrics.
 
-        Metrics (``weightsync/`` prefix): ``bytes``, ``tensors``, ``buckets``,
-        ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps`` and ``gbps``.
+        Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of the weights),
+        ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps``
+        and ``gbps`` (payload bytes per second).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.sync_timeout_seconds
@@ -144,12 +145,12 @@ class CheckpointEngineManager:
         await stage("resume_generation", self._replica_calls(replicas, "resume_generation"))
 
         total = loop.time() - started
-        nbytes = sum(result.get("nbytes", 0) for result in sent)
+        nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
         metrics.update({
             "weightsync/bytes": float(nbytes),
             "weightsync/tensors": float(max((r.get("num_tensors", 0) for r in sent), default=0)),
-            "weightsync/buckets": float(sum(r.get("num_buckets", 0) for r in sent)),
+            "weightsync/buckets": float(max((r.get("num_buckets", 0) for r in sent), default=0)),
             "weightsync/replicas": float(len(replicas)),
             "weightsync/seconds/total": total,
             "weightsync/transfer_gbps": (
@@ -251,12 +252,13 @@ class CheckpointEngineManager:
             task.cancel()
 
     async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica]) -> None:
-        """After a failed sync: release engine resources everywhere, then resume replicas
-        whose weights were never touched, or mark them stale."""
+        """After a failed sync: abort the engines everywhere (dropping groups that may be
+        half-used), then resume replicas whose weights were never touched, or mark them
+        stale."""
         workers = [worker for replica in replicas for worker in replica.workers]
-        cleanup = [*self.actor_wg.execute_checkpoint_engine("finalize")]
+        cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
         with contextlib.suppress(Exception):
-            cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("finalize")
+            cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("abort")
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*cleanup, return_exceptions=True), timeout=_CLEANUP_SECONDS

@@ -10,7 +10,7 @@ import xxhash
 from weightsync_core.bucketing import BucketMeta
 from weightsync_core.errors import VerificationError
 
-__all__ = ["DeliveryVerifier", "Manifest", "host_checksum"]
+__all__ = ["DeliveryVerifier", "Manifest", "device_checksum", "host_checksum"]
 
 Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 """``(name, shape, dtype)`` of every tensor the sender sent, in order."""
@@ -23,6 +23,29 @@ def host_checksum(data: torch.Tensor) -> int:
     if data.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
     return xxhash.xxh3_64_intdigest(memoryview(data.contiguous().numpy()))
+
+
+_CHECKSUM_CHUNK_WORDS = 1 << 24
+
+
+def device_checksum(data: torch.Tensor) -> int:
+    """Checksum of a ``uint8`` tensor computed on its own device (no copy to the host).
+
+    A position-weighted sum of its 32-bit words (weights 1..65521) plus the trailing bytes,
+    in int64 arithmetic: any single flipped bit changes it. Used by device engines, where
+    hashing on the host would mean copying every bucket back.
+    """
+    count = data.numel()
+    whole = count - count % 4
+    words = data[:whole].view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK_WORDS):
+        chunk = words[start : start + _CHECKSUM_CHUNK_WORDS].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=data.device) % 65521 + 1
+        total += (chunk * weights).sum()
+    tail = data[whole:].to(torch.int64)
+    total += (tail * torch.arange(1, tail.numel() + 1, device=data.device)).sum()
+    return int(total.item()) ^ (count << 1)
 
 
 class DeliveryVerifier:

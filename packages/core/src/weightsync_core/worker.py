@@ -20,7 +20,7 @@ from weightsync_core.registry import CheckpointEngineRegistry
 
 __all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine"]
 
-_BLOCKING_METHODS = frozenset({"init_process_group", "finalize"})
+_BLOCKING_METHODS = frozenset({"init_process_group", "finalize", "abort"})
 
 
 def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:

@@ -21,6 +21,7 @@ import contextlib
 import enum
 import pickle
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
@@ -46,13 +47,20 @@ from weightsync_core.process_group import (
     new_gloo_group,
     rendezvous,
 )
-from weightsync_core.verification import DeliveryVerifier, host_checksum
+from weightsync_core.topology import broadcast_topology
+from weightsync_core.verification import DeliveryVerifier, device_checksum, host_checksum
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
 _SENDER = "actor rank 0"
 _MAX_IN_FLIGHT = 4
 """Messages the sender keeps posted ahead of the receivers."""
+
+
+def _retrieve_exception(future: asyncio.Future) -> None:
+    """Mark a future's exception as seen (it is reported through another path)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _Kind(enum.IntEnum):
@@ -78,6 +86,12 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             own memory instead of being copied into a bucket (default: half a bucket; 0
             sends every tensor directly, a negative value never does). Each direct bucket
             costs one extra round trip, so only large tensors gain.
+        senders: actor ranks that send (rank 0 plus relays on rank 0's host), each to its
+            own share of the rollout workers; 1 means rank 0 alone.
+        rebuild_group: build a new group every sync instead of reusing the last one when
+            the membership is unchanged.
+        group_init_timeout: seconds group set-up may take before failing with the ranks
+            that never arrived.
         **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
     """
 
@@ -91,6 +105,9 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         group_name: str = "weightsync",
         keep_buffers: bool = True,
         direct_send_megabytes: float | None = None,
+        senders: int = 1,
+        rebuild_group: bool = False,
+        group_init_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -100,22 +117,57 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self.direct_min_bytes = None
         else:
             self.direct_min_bytes = max(int(direct_send_megabytes * (1 << 20)), 1)
+        if not isinstance(senders, int) or senders < 1:
+            raise ValueError(f"senders must be a positive integer, got {senders!r}")
+        if not group_init_timeout > 0:
+            raise ValueError(f"group_init_timeout must be > 0, got {group_init_timeout!r}")
         self.host = host
         self.group_name = group_name
         self.keep_buffers = keep_buffers
+        self.senders = senders
+        self.rebuild_group = rebuild_group
+        self.group_init_timeout = float(group_init_timeout)
+        self.member_id = uuid.uuid4().hex
         self.rank: int | None = None
         self.world_size = 0
+        self._group_key: dict[str, Any] | None = None
+        self._healthy = True
         self._store: dist.Store | None = None
         self._control: dist.ProcessGroup | None = None
         self._data: dist.ProcessGroup | None = None
         self._send_buffers: list[torch.Tensor] = []
         self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+        self._require_device()
 
     # -- hooks for device backends -------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this engine's buckets live (``device_type``, current device index)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(
+            self.device_type, torch.get_device_module(self.device_type).current_device()
+        )
+
     def _allocate_bucket(self) -> torch.Tensor:
-        """One bucket buffer on this engine's device (zero-filled, so its pages are mapped
-        now rather than during the transfer)."""
-        return torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device_type)
+        """One bucket buffer on this engine's device (host buffers are zero-filled, so their
+        pages are mapped now rather than during the transfer)."""
+        if self.device_type == "cpu":
+            return torch.zeros(self.bucket_size, dtype=torch.uint8)
+        return torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
+
+    def _require_device(self) -> None:
+        """Fail at construction, with the fix, when this engine's device is not visible."""
+        if self.device_type == "cpu":
+            return
+        module = torch.get_device_module(self.device_type)
+        if not module.is_available():
+            raise WeightSyncError(
+                f"{type(self).__name__} needs a {self.device_type} device, but "
+                f"torch.{self.device_type}.is_available() is False in this process (no "
+                "device, or the *_VISIBLE_DEVICES variable hides it). On CPU-only hosts use "
+                "backend='gloo'."
+            )
 
     def _new_data_group(
         self, store: dist.Store, rank: int, world_size: int
@@ -125,11 +177,15 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         return self._control
 
     def _synchronize_device(self) -> None:
-        """Make pending device work on the buckets visible (no-op on host memory)."""
+        """Block until the device's current stream is idle: copies into a bucket are done
+        before it is sent, and a collective is done before its bucket is reused or read.
+        No-op on host memory."""
+        if self.device_type != "cpu":
+            torch.get_device_module(self.device_type).current_stream(self.device).synchronize()
 
     def _checksum(self, data: torch.Tensor) -> int:
-        """Checksum of a bucket's used bytes, for verification."""
-        return host_checksum(data)
+        """Checksum of a bucket's used bytes, for verification (computed where they live)."""
+        return host_checksum(data) if data.device.type == "cpu" else device_checksum(data)
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def _own_host(self) -> str:
@@ -137,49 +193,51 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
 
     def prepare(self) -> dict[str, Any]:
         host = self._own_host()
-        return {"host": host, "port": find_free_port(host)}
+        return {
+            "host": host,
+            "port": find_free_port(host),
+            "member": self.member_id,
+            "group": self._group_key,
+            "senders": self.senders,
+        }
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        if actor_wg_world_size < 1 or rollout_world_size < 1:
-            raise ValueError(
-                f"{cls.__name__} needs at least one actor rank and one rollout worker, got "
-                f"actor_wg_world_size={actor_wg_world_size}, "
-                f"rollout_world_size={rollout_world_size}"
-            )
-        world_size = rollout_world_size + 1
-        master = metadata[0]
-        actor_wg_kwargs = {
-            "rank": [0] + [-1] * (actor_wg_world_size - 1),
-            "world_size": [world_size] * actor_wg_world_size,
-            "master_metadata": [master] * actor_wg_world_size,
-        }
-        rollout_kwargs = {
-            "rank": list(range(1, world_size)),
-            "world_size": [world_size] * rollout_world_size,
-            "master_metadata": [master] * rollout_world_size,
-        }
-        return actor_wg_kwargs, rollout_kwargs
+        return broadcast_topology(actor_wg_world_size, rollout_world_size, metadata)
 
     def init_process_group(
-        self, rank: int, world_size: int, master_metadata: dict[str, Any]
+        self,
+        rank: int,
+        world_size: int,
+        master_metadata: dict[str, Any] | None,
+        members: list[str] | None = None,
     ) -> None:
-        self.finalize()
+        if rank >= 0 and master_metadata and master_metadata.get("reuse"):
+            if self._group_key != {"port": master_metadata["port"], "members": members}:
+                raise WeightSyncError(
+                    f"{type(self).__name__}: asked to reuse a group this process does not hold "
+                    f"(rank {rank}); the topology and the engine state disagree"
+                )
+            self.rank, self.world_size = rank, world_size
+            return
+        self._destroy_group()
         self.rank, self.world_size = rank, world_size
         if rank < 0:
             return
         store = create_store(
             master_metadata["host"], master_metadata["port"], rank, world_size,
-            self.timeout, self.group_name,
+            self.group_init_timeout, self.group_name,
         )
-        rendezvous(store, rank, world_size, self.timeout)
+        rendezvous(store, rank, world_size, self.group_init_timeout)
         self._store = store
         self._control = new_gloo_group(
             dist.PrefixStore("control", store), rank, world_size, self.timeout, self._own_host()
         )
         self._data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size)
+        self._group_key = {"port": master_metadata["port"], "members": members}
+        self._healthy = True
         if rank == 0 and not self._send_buffers:
             self._send_buffers = [self._allocate_bucket() for _ in range(2)]
 
@@ -197,6 +255,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self._checksum if self.verify else None, self.direct_min_bytes,
         )
         in_flight: deque[tuple[asyncio.Future, bool]] = deque()
+        completed = False
         try:
             async for bucket in packer.pack(weights):
                 self._synchronize_device()
@@ -213,9 +272,14 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 await in_flight.popleft()[0]
             final = {"manifest": packer.manifest, "global_steps": global_steps}
             await self._send_message(_Kind.FINAL, final)
+            completed = True
         except Exception as exc:
             await self._abort([waiter for waiter, _ in in_flight], exc)
             raise
+        finally:
+            self._healthy = self._healthy and completed
+            for waiter, _ in in_flight:  # cancelled mid-sync: nobody will await these
+                waiter.add_done_callback(_retrieve_exception)
         return TransferStats(
             packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
         )
@@ -230,6 +294,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         verifier = DeliveryVerifier(self._checksum)
         buffers = self._receive_buffers
         index = 0
+        completed = False
         pending: asyncio.Future | None = asyncio.ensure_future(
             self._receive_message(buffers.take(index))
         )
@@ -243,6 +308,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                     )
                 if kind == _Kind.FINAL:
                     verifier.finish(payload["manifest"], incomplete=unpacker.incomplete())
+                    completed = True
                     return
                 index += 1
                 pending = asyncio.ensure_future(self._receive_message(buffers.take(index)))
@@ -255,14 +321,27 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 # drop our own views of this bucket so that its buffer can be reused
                 data = item = None
         finally:
+            self._healthy = self._healthy and completed
             if pending is not None:
                 pending.cancel()
 
     def finalize(self) -> None:
-        self._control = self._data = self._store = None
+        """End this sync; the group stays for the next sync unless ``rebuild_group`` is set
+        or this sync failed here."""
+        if self.rebuild_group or not self._healthy:
+            self._destroy_group()
         if not self.keep_buffers:
             self._send_buffers = []
             self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+
+    def abort(self) -> None:
+        """Drop the group whatever its state (after a failed sync anywhere)."""
+        self._destroy_group()
+        self.finalize()
+
+    def _destroy_group(self) -> None:
+        self._control = self._data = self._store = None
+        self._group_key = None
         self.rank = None
 
     # -- wire protocol -------------------------------------------------------------------
@@ -284,10 +363,12 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         return group.broadcast([tensor], options)
 
     def _wait(self, works: list[tuple[dist.Work, str]]) -> None:
-        """Block until every posted broadcast completes; name the stage that failed."""
+        """Block until every posted broadcast completes (on the device too); name the stage
+        that failed."""
         for work, stage in works:
             try:
                 work.wait()
+                self._synchronize_device()
             except RuntimeError as exc:
                 peer = "the rollout workers" if self.rank == 0 else _SENDER
                 raise TransferError(
@@ -345,11 +426,13 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
 
     async def _abort(self, in_flight: list[asyncio.Future], exc: BaseException) -> None:
         """Tell receivers the sync is off, so they raise instead of waiting for a timeout."""
+        broken = False
         for waiter in in_flight:
             with contextlib.suppress(Exception):
                 await waiter
-            if waiter.cancelled() or waiter.exception() is not None:
-                return  # the group itself is broken; receivers will see that error
+            broken = broken or waiter.cancelled() or waiter.exception() is not None
+        if broken:
+            return  # the group itself is broken; receivers will see that error
         if isinstance(exc, TransferError):
             return
         with contextlib.suppress(Exception):

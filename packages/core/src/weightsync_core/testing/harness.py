@@ -52,6 +52,7 @@ class SyncHarness:
         config: checkpoint-engine config used by every worker.
         actor_world_size: number of ``actor_wg`` ranks.
         replica_sizes: workers per rollout replica; ignored for colocated backends.
+        actor_options: extra ``ray.remote`` options of every actor, e.g. ``{"num_gpus": 1}``.
     """
 
     def __init__(
@@ -59,12 +60,14 @@ class SyncHarness:
         config: CheckpointEngineConfig,
         actor_world_size: int = 2,
         replica_sizes: Sequence[int] = (1, 2),
+        actor_options: dict[str, Any] | None = None,
     ) -> None:
         ensure_ray()
+        self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         self.config = config
         load_custom_backend_module(config.custom_backend_module)
         self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
-        source = ray.remote(num_cpus=0)(WeightSourceActor)
+        source = ray.remote(**self.actor_options)(WeightSourceActor)
         self.actors = [source.remote(config) for _ in range(actor_world_size)]
         self.actor_wg = RayWorkerGroup(self.actors)
         self.replicas: list[RayRolloutReplica] = []
@@ -75,7 +78,7 @@ class SyncHarness:
 
     def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
         """Start a replica of ``size`` rollout workers."""
-        worker = ray.remote(num_cpus=0)(RecordingRolloutWorker)
+        worker = ray.remote(**self.actor_options)(RecordingRolloutWorker)
         return RayRolloutReplica([worker.remote(self.config) for _ in range(size)], name=name)
 
     def manager(

@@ -43,6 +43,8 @@ class _ConformanceBase:
     """The sync timeout of syncs expected to fail or hang."""
     replica_sizes: ClassVar[tuple[int, ...]] = (1, 2)
     """Workers per replica: one single-worker replica and one of two (3 workers in all)."""
+    ray_actor_options: ClassVar[dict[str, Any]] = {}
+    """Extra ``ray.remote`` options of every actor (``{"num_gpus": 1}`` for device engines)."""
 
     @classmethod
     def make_config(cls, **overrides: Any) -> CheckpointEngineConfig:
@@ -62,7 +64,9 @@ class _ConformanceBase:
         """One deployment per test class: actor ranks plus replicas of ``replica_sizes``."""
         if not cls.backend:
             pytest.fail("set `backend` on your conformance test class")
-        harness = SyncHarness(cls.make_config(), cls.actor_world_size, cls.replica_sizes)
+        harness = SyncHarness(
+            cls.make_config(), cls.actor_world_size, cls.replica_sizes, cls.ray_actor_options
+        )
         yield harness
         harness.shutdown()
 

@@ -1,0 +1,82 @@
+"""Broadcast topologies: single sender, relays on the sender's host only, group reuse."""
+
+import pytest
+
+from weightsync_core.engines import GlooCheckpointEngine
+from weightsync_core.topology import BroadcastGroup, broadcast_topology, plan_broadcast_groups
+
+
+def meta(host, member, port=1000, group=None, senders=1):
+    return {"host": host, "port": port, "member": member, "group": group, "senders": senders}
+
+
+def test_single_sender_matches_verl():
+    metadata = [meta("a", "s0"), meta("a", "s1"), meta("b", "r0"), meta("c", "r1")]
+    actor, rollout = broadcast_topology(2, 2, metadata)
+    assert actor["rank"] == [0, -1]
+    assert actor["world_size"] == [3, 0]
+    assert rollout["rank"] == [1, 2]
+    assert rollout["members"] == [["s0", "r0", "r1"]] * 2
+    master = actor["master_metadata"][0]
+    assert master == {"host": "a", "port": 1000, "reuse": False}
+    assert rollout["master_metadata"] == [master, master]
+
+
+def test_relays_come_only_from_the_sender_host():
+    actors = [meta("node0", "a0"), meta("node1", "a1"), meta("node0", "a2"), meta("node0", "a3")]
+    groups = plan_broadcast_groups(actors, rollout_world_size=5, senders=3)
+    assert groups == [
+        BroadcastGroup(0, (0, 1)), BroadcastGroup(2, (2, 3)), BroadcastGroup(3, (4,))
+    ]
+
+
+def test_never_more_senders_than_receivers_and_at_least_rank_zero():
+    actors = [meta("n", f"a{i}") for i in range(4)]
+    assert plan_broadcast_groups(actors, 2, senders=4) == [
+        BroadcastGroup(0, (0,)), BroadcastGroup(1, (1,))
+    ]
+    lonely = [meta("n", "a0"), meta("m", "a1")]
+    assert plan_broadcast_groups(lonely, 3, senders=2) == [BroadcastGroup(0, (0, 1, 2))]
+    with pytest.raises(ValueError, match="senders must be >= 1"):
+        plan_broadcast_groups(actors, 2, senders=0)
+
+
+def test_multi_sender_kwargs_give_each_group_its_own_master():
+    metadata = [meta("n", "a0", 1, senders=2), meta("n", "a1", 2, senders=2),
+                meta("x", "r0"), meta("y", "r1"), meta("z", "r2")]
+    actor, rollout = broadcast_topology(2, 3, metadata)
+    assert actor["rank"] == [0, 0]
+    assert actor["world_size"] == [3, 2]
+    assert rollout["rank"] == [1, 2, 1]
+    assert [m["port"] for m in rollout["master_metadata"]] == [1, 1, 2]
+    assert rollout["members"][2] == ["a1", "r2"]
+
+
+def test_group_is_reused_only_when_every_member_holds_it():
+    key = {"port": 555, "members": ["a0", "r0", "r1"]}
+    intact = [meta("n", "a0", 1, key), meta("n", "a1"), meta("x", "r0", group=key),
+              meta("y", "r1", group=key)]
+    master = broadcast_topology(2, 2, intact)[0]["master_metadata"][0]
+    assert master == {"host": "n", "port": 555, "reuse": True}
+
+    one_lost_it = [*intact[:3], meta("y", "r1", group=None)]
+    master = broadcast_topology(2, 2, one_lost_it)[0]["master_metadata"][0]
+    assert master == {"host": "n", "port": 1, "reuse": False}
+
+    new_member = [*intact[:3], meta("y", "r9", group=None)]
+    assert broadcast_topology(2, 2, new_member)[0]["master_metadata"][0]["reuse"] is False
+
+
+def test_engine_build_topology_validates_sizes():
+    with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
+        GlooCheckpointEngine.build_topology(1, 0, [meta("n", "a0")])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"senders": 0}, "senders must be a positive integer"),
+     ({"group_init_timeout": 0}, "group_init_timeout must be > 0")],
+)
+def test_engine_options_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GlooCheckpointEngine(1 << 20, **kwargs)
