@@ -12,3 +12,10 @@ class TestGlooConformance(CheckpointEngineConformanceTests):
 
 class TestNaiveConformance(ColocatedEngineConformanceTests):
     backend = "naive"
+
+
+class TestGlooRelayConformance(CheckpointEngineConformanceTests):
+    """Both actor ranks send (rank 0 and a relay on its host), each to its share."""
+
+    backend = "gloo"
+    engine_kwargs = {"senders": 2}  # noqa: RUF012
