@@ -19,7 +19,7 @@ class ThreadedSync:
     def __init__(self, engine_cls, actors=1, receivers=2, bucket=BUCKET, receiver_bucket=None,
                  **kwargs):
         self.engine_cls = engine_cls
-        options = {"host": "127.0.0.1", "timeout": 20, **kwargs}
+        options = {"host": "127.0.0.1", "timeout": 20} | kwargs
         self.actors = [engine_cls(bucket, **options) for _ in range(actors)]
         self.rollout = [engine_cls(receiver_bucket or bucket, **options)
                         for _ in range(receivers)]
@@ -65,10 +65,10 @@ class ThreadedSync:
         return results[: len(self.actors)], results[len(self.actors):], actor_kwargs
 
 
-def run_sync(engine_cls, weights, receivers=2, receiver_bucket=None):
+def run_sync(engine_cls, weights, receivers=2, receiver_bucket=None, timeout=20):
     """One sync from one sender; results indexed by group rank (0 = sender)."""
     sent, received, _ = ThreadedSync(
-        engine_cls, receivers=receivers, receiver_bucket=receiver_bucket
+        engine_cls, receivers=receivers, receiver_bucket=receiver_bucket, timeout=timeout
     ).sync(weights)
     return dict(enumerate(sent + received))
 
@@ -100,13 +100,13 @@ def test_sender_failure_reaches_receivers_as_an_abort_not_a_hang():
 
 def test_corruption_on_the_wire_is_caught_and_names_the_tensors():
     class Corrupting(GlooCheckpointEngine):
-        async def _receive_message(self, buffer):
-            kind, payload, data = await super()._receive_message(buffer)
+        async def _receive_message(self, group, buffer):
+            kind, payload, data = await super()._receive_message(group, buffer)
             if data.numel():
                 data[-1] ^= 0x01
             return kind, payload, data
 
-    results = run_sync(Corrupting, {"layer.0.weight": torch.randn(1000)}, receivers=1)
+    results = run_sync(Corrupting, {"layer.0.weight": torch.randn(1000)}, receivers=1, timeout=3)
     assert isinstance(results[1], VerificationError)
     assert "layer.0.weight" in str(results[1])
 
@@ -114,7 +114,7 @@ def test_corruption_on_the_wire_is_caught_and_names_the_tensors():
 def test_mismatched_bucket_sizes_are_reported():
     results = run_sync(
         GlooCheckpointEngine, {"w": torch.randn(BUCKET // 8)}, receivers=1,
-        receiver_bucket=BUCKET // 4,
+        receiver_bucket=BUCKET // 4, timeout=3,
     )
     assert isinstance(results[1], TransferError)
     assert "update_weights_bucket_megabytes" in str(results[1])
@@ -149,10 +149,10 @@ def test_group_is_reused_across_syncs_unless_rebuild_group():
     weights = {"w": torch.randn(1000)}
     reused = ThreadedSync(GlooCheckpointEngine, receivers=2)
     reused.sync(weights)
-    first = reused.rollout[0]._control
+    first = reused.rollout[0]._group
     _, received, kwargs = reused.sync(weights)
     assert kwargs["master_metadata"][0]["reuse"] is True
-    assert reused.rollout[0]._control is first
+    assert reused.rollout[0]._group is first
     assert torch.equal(received[1]["w"], weights["w"])
 
     rebuilt = ThreadedSync(GlooCheckpointEngine, receivers=2, rebuild_group=True)

@@ -18,7 +18,7 @@ def test_single_sender_matches_verl():
     assert rollout["rank"] == [1, 2]
     assert rollout["members"] == [["s0", "r0", "r1"]] * 2
     master = actor["master_metadata"][0]
-    assert master == {"host": "a", "port": 1000, "reuse": False}
+    assert master == {"host": "a", "port": 1000, "reuse": False, "sender": 0}
     assert rollout["master_metadata"] == [master, master]
 
 
@@ -49,6 +49,7 @@ def test_multi_sender_kwargs_give_each_group_its_own_master():
     assert actor["world_size"] == [3, 2]
     assert rollout["rank"] == [1, 2, 1]
     assert [m["port"] for m in rollout["master_metadata"]] == [1, 1, 2]
+    assert [m["sender"] for m in rollout["master_metadata"]] == [0, 0, 1]
     assert rollout["members"][2] == ["a1", "r2"]
 
 
@@ -57,11 +58,11 @@ def test_group_is_reused_only_when_every_member_holds_it():
     intact = [meta("n", "a0", 1, key), meta("n", "a1"), meta("x", "r0", group=key),
               meta("y", "r1", group=key)]
     master = broadcast_topology(2, 2, intact)[0]["master_metadata"][0]
-    assert master == {"host": "n", "port": 555, "reuse": True}
+    assert master == {"host": "n", "port": 555, "reuse": True, "sender": 0}
 
     one_lost_it = [*intact[:3], meta("y", "r1", group=None)]
     master = broadcast_topology(2, 2, one_lost_it)[0]["master_metadata"][0]
-    assert master == {"host": "n", "port": 1, "reuse": False}
+    assert master == {"host": "n", "port": 1, "reuse": False, "sender": 0}
 
     new_member = [*intact[:3], meta("y", "r9", group=None)]
     assert broadcast_topology(2, 2, new_member)[0]["master_metadata"][0]["reuse"] is False

@@ -33,7 +33,7 @@ class HCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "npu"
 
     def _new_data_group(
-        self, store: dist.Store, rank: int, world_size: int
+        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         return dist.ProcessGroupHCCL(
             store, rank, world_size, datetime.timedelta(seconds=self.timeout)

@@ -41,7 +41,7 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "cuda"
 
     def _new_data_group(
-        self, store: dist.Store, rank: int, world_size: int
+        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)

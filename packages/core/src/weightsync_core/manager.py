@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import ray
@@ -124,25 +124,44 @@ class CheckpointEngineManager:
         metrics: dict[str, float] = {}
         stage_start = started = loop.time()
 
-        async def stage(name: str, calls: Sequence[tuple[str, Awaitable[Any]]]) -> list[Any]:
-            nonlocal stage_start
-            results = await self._run_stage(name, calls, deadline)
+        current = "abort_requests"
+
+        async def stage(
+            name: str, calls: Callable[[], Sequence[tuple[str, Awaitable[Any]]]],
+            own_budget: bool = False,
+        ) -> list[Any]:
+            """Run one stage; ``own_budget`` stages may outlive the sync deadline a little,
+            so that a sync whose transfer finished is not failed by its clean-up."""
+            nonlocal stage_start, current
+            current = name
+            limit = max(deadline, loop.time() + _CLEANUP_SECONDS) if own_budget else deadline
+            results = await self._run_stage(name, calls(), limit)
             now = loop.time()
             metrics[f"weightsync/seconds/{name}"] = now - stage_start
             stage_start = now
             return results
 
-        await stage("abort_requests", self._replica_calls(replicas, "abort_all_requests"))
-        await stage("release_kv_cache", self._replica_calls(replicas, "release_kv_cache"))
         try:
+            for name, method in (("abort_requests", "abort_all_requests"),
+                                 ("release_kv_cache", "release_kv_cache")):
+                await stage(name, lambda method=method: self._replica_calls(replicas, method))
             sent = await self._transfer(stage, replicas, global_steps)
-        except SyncStageError as exc:
-            await self._recover(exc, replicas)
-            raise
+        except BaseException as exc:
+            error = exc if isinstance(exc, SyncStageError) else SyncStageError(
+                f"weight sync ({self.backend}) failed at stage {current!r}: "
+                f"{type(exc).__name__}: {exc}", stage=current,
+            )
+            await asyncio.shield(self._recover(error, replicas))
+            if error is exc or isinstance(exc, asyncio.CancelledError):
+                raise
+            raise error from exc
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
-        await stage("resume_generation", self._replica_calls(replicas, "resume_generation"))
+        await stage(
+            "resume_generation", lambda: self._replica_calls(replicas, "resume_generation"),
+            own_budget=True,
+        )
 
         total = loop.time() - started
         nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
@@ -164,8 +183,9 @@ class CheckpointEngineManager:
         actor_wg = self.actor_wg
         actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
         if self.backend_cls.is_colocated:
-            refs = actor_wg.update_weights(global_steps)
-            return await stage("transfer", list(zip(actor_names, refs, strict=True)))
+            return await stage("transfer", lambda: list(
+                zip(actor_names, actor_wg.update_weights(global_steps), strict=True)
+            ))
         workers = [worker for replica in replicas for worker in replica.workers]
         if not workers:
             raise SyncStageError(
@@ -182,18 +202,28 @@ class CheckpointEngineManager:
         ]
         names = actor_names + rollout_names
 
-        def both(method: str, actor_kwargs=None, rollout_kwargs=None) -> list[tuple[str, Any]]:
-            refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
-            refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
-            return list(zip(names, refs, strict=True))
+        def both(method: str, actor_kwargs=None, rollout_kwargs=None):
+            def calls() -> list[tuple[str, Any]]:
+                refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
+                refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
+                return list(zip(names, refs, strict=True))
+            return calls
 
         metadata = await stage("prepare", both("prepare"))
-        actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(
-            actor_wg.world_size, rollout.world_size, metadata
-        )
+        try:
+            actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(
+                actor_wg.world_size, rollout.world_size, metadata
+            )
+        except Exception as exc:
+            raise SyncStageError(
+                f"weight sync ({self.backend}) failed at stage 'build_topology': "
+                f"{type(exc).__name__}: {exc}", stage="build_topology",
+            ) from exc
         await stage("init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs))
-        refs = actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps)
-        results = await stage("transfer", list(zip(names, refs, strict=True)))
+        results = await stage("transfer", lambda: list(zip(
+            names, actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps),
+            strict=True,
+        )))
         await stage("finalize", both("finalize"))
         return results[: actor_wg.world_size]
 
@@ -253,8 +283,8 @@ class CheckpointEngineManager:
 
     async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica]) -> None:
         """After a failed sync: abort the engines everywhere (dropping groups that may be
-        half-used), then resume replicas whose weights were never touched, or mark them
-        stale."""
+        half-used), then mark the replicas stale if bytes had started to move, else resume
+        those that do not already hold incomplete weights from an earlier failure."""
         workers = [worker for replica in replicas for worker in replica.workers]
         cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
         with contextlib.suppress(Exception):
@@ -273,8 +303,9 @@ class CheckpointEngineManager:
                 "update_weights again, or remove_replicas() the broken ones.",
             )
             return
+        untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
-                asyncio.gather(*(replica.resume_generation() for replica in replicas)),
+                asyncio.gather(*(replica.resume_generation() for replica in untouched)),
                 timeout=_CLEANUP_SECONDS,
             )

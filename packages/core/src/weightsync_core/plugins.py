@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 TRUSTED_MODULES_ENV = "WEIGHTSYNC_TRUSTED_MODULES"
 
-_DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 T = TypeVar("T")
 
@@ -53,7 +53,7 @@ def validate_module_name(name: object, *, setting: str = "custom_backend_module"
         problem = "looks like a file path"
     elif name.startswith("."):
         problem = "is a relative module name"
-    elif not _DOTTED_NAME.match(name):
+    elif not _DOTTED_NAME.fullmatch(name):
         problem = "is not a valid dotted Python module name"
     else:
         problem = None
@@ -101,6 +101,8 @@ def load_class(
     as :func:`load_custom_backend_module` and check that it subclasses ``base``."""
     if not isinstance(qualified_name, str):
         raise PluginError(f"{setting} must be a fully-qualified class name, got {qualified_name!r}")
+    if "://" in qualified_name:
+        validate_module_name(qualified_name, setting=setting)  # refused as a URL
     module_name, sep, class_name = qualified_name.replace(":", ".").rpartition(".")
     if not sep or not module_name:
         raise PluginError(
@@ -131,8 +133,10 @@ def _trusted_prefixes() -> list[str] | None:
 def _import(name: str, setting: str):
     try:
         module = importlib.import_module(name)
-    except ImportError as exc:
-        raise PluginError(f"{setting}={name!r} could not be imported: {exc}") from exc
+    except Exception as exc:
+        raise PluginError(
+            f"{setting}={name!r} could not be imported: {type(exc).__name__}: {exc}"
+        ) from exc
     logger.info("weightsync loaded %s=%s from %s", setting, name, getattr(module, "__file__", "?"))
     return module
 

@@ -67,6 +67,13 @@ def create_store(
             timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
         )
     except (RuntimeError, dist.DistStoreError) as exc:
+        if rank == 0:
+            raise GroupInitTimeoutError(
+                f"rank 0 could not start the weight-sync store on {host}:{port} ({exc}); the "
+                f"port may have been taken meanwhile, or {host} is not an address of this "
+                f"host (set {HOST_ENV} to one)",
+                missing_ranks=[],
+            ) from exc
         raise GroupInitTimeoutError(
             f"rank {rank} could not reach the weight-sync store of rank 0 at {host}:{port} "
             f"within {timeout:.0f}s ({exc}); rank 0 never arrived or the address is not "

@@ -112,6 +112,11 @@ def _distribution_version(distribution: str) -> str | None:
         return None
 
 
+def _origin(entry_point: importlib.metadata.EntryPoint) -> str:
+    dist = entry_point.dist.name if entry_point.dist is not None else "?"
+    return f"{dist} ({entry_point.value})"
+
+
 def _describe_import_error(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     cause = exc.__cause__ or exc.__context__
@@ -126,6 +131,7 @@ class CheckpointEngineRegistry:
     _registry: ClassVar[dict[str, type[CheckpointEngine]]] = {}
     _broken: ClassVar[dict[str, str]] = {}
     _entry_points: ClassVar[dict[str, importlib.metadata.EntryPoint] | None] = None
+    _conflicts: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def register(cls, name: str) -> Callable[[EngineT], EngineT]:
@@ -155,6 +161,8 @@ class CheckpointEngineRegistry:
         if name in cls._registry:
             return cls._registry[name]
         entry_point = cls._discover().get(name)
+        if name in cls._conflicts:
+            raise BackendRegistrationError(f"backend {name!r} is ambiguous: {cls._conflicts[name]}")
         if entry_point is not None:
             return cls._load_entry_point(name, entry_point)
         known = KNOWN_BACKENDS.get(name)
@@ -216,6 +224,7 @@ class CheckpointEngineRegistry:
     def refresh(cls) -> None:
         """Forget the cached entry-point scan (after installing a package at run time)."""
         cls._entry_points = None
+        cls._conflicts = {}
 
     @classmethod
     def _info(cls, name: str, entry_point: importlib.metadata.EntryPoint | None) -> BackendInfo:
@@ -232,10 +241,10 @@ class CheckpointEngineRegistry:
                 name, BackendState.LOADED, distribution,
                 target or f"{engine.__module__}:{engine.__qualname__}", None, None, description,
             )
-        if name in cls._broken:
+        reason = cls._conflicts.get(name) or cls._broken.get(name)
+        if reason is not None:
             return BackendInfo(
-                name, BackendState.BROKEN, distribution, target, cls._broken[name], hint,
-                description,
+                name, BackendState.BROKEN, distribution, target, reason, hint, description
             )
         if entry_point is not None:
             return BackendInfo(
@@ -259,7 +268,12 @@ class CheckpointEngineRegistry:
         if cls._entry_points is None:
             found: dict[str, importlib.metadata.EntryPoint] = {}
             for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                found.setdefault(entry_point.name, entry_point)
+                first = found.setdefault(entry_point.name, entry_point)
+                if first.value != entry_point.value:
+                    cls._conflicts[entry_point.name] = (
+                        f"two installed distributions provide it: {_origin(first)} and "
+                        f"{_origin(entry_point)}; uninstall one"
+                    )
             cls._entry_points = found
         return cls._entry_points
 

@@ -50,7 +50,7 @@ def plan_broadcast_groups(
 
 
 def _master_metadata(
-    sender: dict[str, Any], members: list[dict[str, Any]], member_ids: list[str]
+    sender: dict[str, Any], sender_rank: int, members: list[dict[str, Any]], member_ids: list[str]
 ) -> dict[str, Any]:
     """The sender's address, and whether the previous group of exactly these members can be
     reused (every member reports the same intact group)."""
@@ -59,7 +59,7 @@ def _master_metadata(
         member.get("group") == previous for member in members
     )
     port = previous["port"] if reuse else sender["port"]
-    return {"host": sender["host"], "port": port, "reuse": reuse}
+    return {"host": sender["host"], "port": port, "reuse": reuse, "sender": sender_rank}
 
 
 def broadcast_topology(
@@ -84,7 +84,7 @@ def broadcast_topology(
     for group in groups:
         members = [actor_meta[group.sender]] + [rollout_meta[r] for r in group.receivers]
         member_ids = [member["member"] for member in members]
-        master = _master_metadata(actor_meta[group.sender], members, member_ids)
+        master = _master_metadata(actor_meta[group.sender], group.sender, members, member_ids)
         world_size = len(members)
         actor_kwargs[group.sender] = {
             "rank": 0, "world_size": world_size, "master_metadata": master, "members": member_ids,

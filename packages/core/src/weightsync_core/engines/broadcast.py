@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +36,7 @@ from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import (
     BucketPacker,
     BucketUnpacker,
+    PackedBucket,
     ReceiveBuffers,
     WeightsSource,
     iter_named_tensors,
@@ -52,9 +54,9 @@ from weightsync_core.verification import DeliveryVerifier, device_checksum, host
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
-_SENDER = "actor rank 0"
 _MAX_IN_FLIGHT = 4
 """Messages the sender keeps posted ahead of the receivers."""
+_MAX_METADATA_BYTES = 1 << 30
 
 
 def _retrieve_exception(future: asyncio.Future) -> None:
@@ -69,14 +71,27 @@ class _Kind(enum.IntEnum):
     ABORT = 2
 
 
-class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
-    """Broadcast buckets from actor rank 0 to every rollout worker over one group.
+@dataclass(frozen=True)
+class _Group:
+    """One sync's communicators, captured by every transfer so that a thread left over from
+    an aborted sync can never post into the next sync's group."""
 
-    Topology: actor rank 0 is group rank 0 (the sender), rollout worker ``i`` is group rank
-    ``i + 1``; other actor ranks get rank ``-1`` and only drain their weight iterator.
+    control: dist.ProcessGroup
+    data: dist.ProcessGroup
+    store: dist.Store
+    sender: str
+
+
+class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
+    """Broadcast buckets from a sending actor rank to its rollout workers over one group.
+
+    Topology (see :mod:`weightsync_core.topology`): actor rank 0 is group rank 0 (the
+    sender), rollout worker ``i`` is group rank ``i + 1``; other actor ranks get rank ``-1``
+    and only drain their weight iterator. With ``senders > 1``, relay actor ranks on rank 0's
+    host each lead a group of their own share of the rollout workers.
 
     Args:
-        bucket_size: bytes per bucket (two are allocated per process).
+        bucket_size: bytes per bucket (two on a sender, up to three on a receiver).
         host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
             Ray node IP, or ``127.0.0.1``).
         group_name: prefix of this engine's keys in the rendezvous store.
@@ -85,7 +100,9 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         direct_send_megabytes: tensors at least this large (MiB) are broadcast from their
             own memory instead of being copied into a bucket (default: half a bucket; 0
             sends every tensor directly, a negative value never does). Each direct bucket
-            costs one extra round trip, so only large tensors gain.
+            costs one extra round trip, so only large tensors gain. The weight iterator must
+            not modify a tensor's memory after yielding it (the engine waits for a direct
+            tensor to leave before asking for the next one).
         senders: actor ranks that send (rank 0 plus relays on rank 0's host), each to its
             own share of the rollout workers; 1 means rank 0 alone.
         rebuild_group: build a new group every sync instead of reusing the last one when
@@ -130,24 +147,22 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self.member_id = uuid.uuid4().hex
         self.rank: int | None = None
         self.world_size = 0
+        self._group: _Group | None = None
         self._group_key: dict[str, Any] | None = None
         self._healthy = True
-        self._store: dist.Store | None = None
-        self._control: dist.ProcessGroup | None = None
-        self._data: dist.ProcessGroup | None = None
         self._send_buffers: list[torch.Tensor] = []
         self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
         self._require_device()
+        self.device = self._current_device()
 
     # -- hooks for device backends -------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where this engine's buckets live (``device_type``, current device index)."""
+    def _current_device(self) -> torch.device:
+        """The device this engine uses, fixed at construction (worker threads may have
+        another current device)."""
         if self.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(
-            self.device_type, torch.get_device_module(self.device_type).current_device()
-        )
+        module = torch.get_device_module(self.device_type)
+        return torch.device(self.device_type, module.current_device())
 
     def _allocate_bucket(self) -> torch.Tensor:
         """One bucket buffer on this engine's device (host buffers are zero-filled, so their
@@ -170,11 +185,10 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             )
 
     def _new_data_group(
-        self, store: dist.Store, rank: int, world_size: int
+        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         """The communicator for bucket bytes; by default the gloo control group."""
-        assert self._control is not None
-        return self._control
+        return control
 
     def _synchronize_device(self) -> None:
         """Block until the device's current stream is idle: copies into a bucket are done
@@ -215,7 +229,9 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         members: list[str] | None = None,
     ) -> None:
         if rank >= 0 and master_metadata and master_metadata.get("reuse"):
-            if self._group_key != {"port": master_metadata["port"], "members": members}:
+            if self._group is None or self._group_key != {
+                "port": master_metadata["port"], "members": members
+            }:
                 raise WeightSyncError(
                     f"{type(self).__name__}: asked to reuse a group this process does not hold "
                     f"(rank {rank}); the topology and the engine state disagree"
@@ -231,50 +247,55 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self.group_init_timeout, self.group_name,
         )
         rendezvous(store, rank, world_size, self.group_init_timeout)
-        self._store = store
-        self._control = new_gloo_group(
+        control = new_gloo_group(
             dist.PrefixStore("control", store), rank, world_size, self.timeout, self._own_host()
         )
-        self._data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size)
+        data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size, control)
+        sender = f"actor rank {master_metadata.get('sender', 0)}"
+        self._group = _Group(control, data, store, sender)
         self._group_key = {"port": master_metadata["port"], "members": members}
         self._healthy = True
-        if rank == 0 and not self._send_buffers:
-            self._send_buffers = [self._allocate_bucket() for _ in range(2)]
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None
     ) -> TransferStats:
         start = time.perf_counter()
-        self._require_group(sender=True)
-        if self.rank is not None and self.rank < 0:
+        group = self._require_group(sender=True)
+        if group is None:
             async for _ in iter_named_tensors(weights):
                 pass
             return TransferStats(seconds=time.perf_counter() - start)
-        packer = BucketPacker(
-            self._send_buffers, self.rollout_dtype,
-            self._checksum if self.verify else None, self.direct_min_bytes,
-        )
         in_flight: deque[tuple[asyncio.Future, bool]] = deque()
         completed = False
         try:
+            if not self._send_buffers:
+                self._send_buffers = [self._allocate_bucket() for _ in range(2)]
+            packer = BucketPacker(
+                self._send_buffers, self.rollout_dtype,
+                self._checksum if self.verify else None, self.direct_min_bytes,
+            )
             async for bucket in packer.pack(weights):
                 self._synchronize_device()
-                works = self._post_message(_Kind.BUCKET, bucket.meta, bucket.data)
-                waiter = asyncio.ensure_future(run_blocking(self._wait, works))
+                works = self._post_message(group, _Kind.BUCKET, bucket.meta, bucket.data)
+                waiter = asyncio.ensure_future(run_blocking(self._wait, group, works))
                 in_flight.append((waiter, bucket.direct))
                 # Before the packer fills again, the packed bucket before the latest one must
-                # have left (its buffer is next); and only so many messages stay on the wire.
-                while len(in_flight) > _MAX_IN_FLIGHT or sum(
-                    not direct for _, direct in in_flight
-                ) > 1:
+                # have left (its buffer is next); a direct tensor must have left before the
+                # iterator is advanced; and only so many messages stay on the wire.
+                last_chunk = bucket.direct and _ends_tensor(bucket)
+                while in_flight and (
+                    len(in_flight) > _MAX_IN_FLIGHT
+                    or sum(not direct for _, direct in in_flight) > 1
+                    or (last_chunk and any(direct for _, direct in in_flight))
+                ):
                     await in_flight.popleft()[0]
             while in_flight:
                 await in_flight.popleft()[0]
             final = {"manifest": packer.manifest, "global_steps": global_steps}
-            await self._send_message(_Kind.FINAL, final)
+            await run_blocking(self._wait, group, self._post_message(group, _Kind.FINAL, final))
             completed = True
         except Exception as exc:
-            await self._abort([waiter for waiter, _ in in_flight], exc)
+            await self._abort(group, [waiter for waiter, _ in in_flight], exc)
             raise
         finally:
             self._healthy = self._healthy and completed
@@ -289,14 +310,14 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield received tensors as views of their bucket; a bucket is never overwritten
         while a yielded tensor still views it (see :class:`ReceiveBuffers`)."""
-        self._require_group(sender=False)
+        group = self._require_group(sender=False)
         unpacker = BucketUnpacker(copy=False)
         verifier = DeliveryVerifier(self._checksum)
         buffers = self._receive_buffers
         index = 0
         completed = False
         pending: asyncio.Future | None = asyncio.ensure_future(
-            self._receive_message(buffers.take(index))
+            self._receive_message(group, buffers.take(index))
         )
         try:
             while True:
@@ -304,17 +325,18 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 pending = None
                 if kind == _Kind.ABORT:
                     raise SenderAbortedError(
-                        f"{_SENDER} aborted the sync, so rollout rank {self.rank} stops: {payload}"
+                        f"{group.sender} aborted the sync, so rollout rank {self.rank} stops: "
+                        f"{payload}"
                     )
                 if kind == _Kind.FINAL:
                     verifier.finish(payload["manifest"], incomplete=unpacker.incomplete())
                     completed = True
                     return
                 index += 1
-                pending = asyncio.ensure_future(self._receive_message(buffers.take(index)))
+                pending = asyncio.ensure_future(self._receive_message(group, buffers.take(index)))
                 self._synchronize_device()
                 if self.verify:
-                    verifier.check_bucket(data, payload, source=_SENDER)
+                    verifier.check_bucket(data, payload, source=group.sender)
                 for item in unpacker.unpack(data, payload):
                     verifier.record(*item)
                     yield item
@@ -330,22 +352,31 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         or this sync failed here."""
         if self.rebuild_group or not self._healthy:
             self._destroy_group()
+        self._release_buffers()
+
+    def abort(self) -> None:
+        """Drop the group and the receive buffers whatever their state (after a failed sync
+        anywhere): transfers left over from it can touch nothing the next sync uses."""
+        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+        self._destroy_group()
+        self._release_buffers()
+
+    def _release_buffers(self) -> None:
         if not self.keep_buffers:
             self._send_buffers = []
             self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
 
-    def abort(self) -> None:
-        """Drop the group whatever its state (after a failed sync anywhere)."""
-        self._destroy_group()
-        self.finalize()
-
     def _destroy_group(self) -> None:
-        self._control = self._data = self._store = None
+        group, self._group = self._group, None
         self._group_key = None
         self.rank = None
+        # Dropping the communicators last: their destructors may wait for transfers still in
+        # flight after a failure, and by then this engine's state is already clean.
+        del group
 
     # -- wire protocol -------------------------------------------------------------------
-    def _require_group(self, *, sender: bool) -> None:
+    def _require_group(self, *, sender: bool) -> _Group | None:
+        """This sync's group (None on an actor rank that only drains its weights)."""
         if self.rank is None:
             raise WeightSyncError(
                 f"{type(self).__name__}: init_process_group must run before "
@@ -355,6 +386,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             raise WeightSyncError(f"rollout rank {self.rank} cannot send weights")
         if not sender and self.rank <= 0:
             raise WeightSyncError(f"actor rank (group rank {self.rank}) cannot receive weights")
+        return self._group if self.rank >= 0 else None
 
     def _post(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
         """Enqueue one broadcast from group rank 0 (returns at once)."""
@@ -362,7 +394,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         options.rootRank = 0
         return group.broadcast([tensor], options)
 
-    def _wait(self, works: list[tuple[dist.Work, str]]) -> None:
+    def _wait(self, group: _Group, works: list[tuple[dist.Work, str]]) -> None:
         """Block until every posted broadcast completes (on the device too); name the stage
         that failed."""
         for work, stage in works:
@@ -370,7 +402,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 work.wait()
                 self._synchronize_device()
             except RuntimeError as exc:
-                peer = "the rollout workers" if self.rank == 0 else _SENDER
+                peer = "the rollout workers" if self.rank == 0 else group.sender
                 raise TransferError(
                     f"{type(self).__name__}: broadcast of {stage} failed on group rank "
                     f"{self.rank} (peer: {peer}): {exc}",
@@ -378,7 +410,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 ) from exc
 
     def _post_message(
-        self, kind: _Kind, payload: object, data: torch.Tensor | None = None
+        self, group: _Group, kind: _Kind, payload: object, data: torch.Tensor | None = None
     ) -> list[tuple[dist.Work, str]]:
         """Enqueue header, metadata and bucket bytes of one message, in that order."""
         meta = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
@@ -386,57 +418,66 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         header = torch.tensor([int(kind), meta.numel(), data_len], dtype=torch.int64)
         name = kind.name.lower()
         works = [
-            (self._post(self._control, header), f"{name} header"),
-            (self._post(self._control, meta), f"{name} metadata"),
+            (self._post(group.control, header), f"{name} header"),
+            (self._post(group.control, meta), f"{name} metadata"),
         ]
         if data_len:
-            works.append((self._post(self._data, data), "bucket data"))
+            works.append((self._post(group.data, data), "bucket data"))
         return works
 
-    async def _send_message(
-        self, kind: _Kind, payload: object, data: torch.Tensor | None = None
-    ) -> None:
-        await run_blocking(self._wait, self._post_message(kind, payload, data))
-
     def _receive_message_blocking(
-        self, buffer: torch.Tensor
+        self, group: _Group, buffer: torch.Tensor
     ) -> tuple[_Kind, Any, torch.Tensor]:
         header = torch.zeros(3, dtype=torch.int64)
-        self._wait([(self._post(self._control, header), "header")])
+        self._wait(group, [(self._post(group.control, header), "header")])
         kind, meta_len, data_len = (int(value) for value in header)
-        if data_len > buffer.numel():
+        if kind not in _Kind.__members__.values() or not 0 < meta_len <= _MAX_METADATA_BYTES:
             raise TransferError(
-                f"{_SENDER} announced a {data_len}-byte bucket but rollout rank {self.rank} has "
-                f"{buffer.numel()}-byte buckets; use the same update_weights_bucket_megabytes "
-                "on both sides",
-                peer=_SENDER, stage="header",
+                f"rollout rank {self.rank} received a malformed message header {header.tolist()}"
+                f" from {group.sender}; the group is out of step (a peer from another sync?)",
+                peer=group.sender, stage="header",
+            )
+        if data_len > buffer.numel() or data_len < 0:
+            raise TransferError(
+                f"{group.sender} announced a {data_len}-byte bucket but rollout rank "
+                f"{self.rank} has {buffer.numel()}-byte buckets; use the same "
+                "update_weights_bucket_megabytes on both sides",
+                peer=group.sender, stage="header",
             )
         meta = torch.empty(meta_len, dtype=torch.uint8)
         data = buffer[:data_len]
-        works = [(self._post(self._control, meta), "metadata")]
+        works = [(self._post(group.control, meta), "metadata")]
         if data_len:
-            works.append((self._post(self._data, data), "bucket data"))
-        self._wait(works)
+            works.append((self._post(group.data, data), "bucket data"))
+        self._wait(group, works)
         return _Kind(kind), pickle.loads(meta.numpy().tobytes()), data
 
-    async def _receive_message(self, buffer: torch.Tensor) -> tuple[_Kind, Any, torch.Tensor]:
+    async def _receive_message(
+        self, group: _Group, buffer: torch.Tensor
+    ) -> tuple[_Kind, Any, torch.Tensor]:
         """Receive one message into ``buffer`` on a worker thread (header, then the rest),
         so the event loop stays free to hand out the previous bucket meanwhile."""
-        return await run_blocking(self._receive_message_blocking, buffer)
+        return await run_blocking(self._receive_message_blocking, group, buffer)
 
-    async def _abort(self, in_flight: list[asyncio.Future], exc: BaseException) -> None:
+    async def _abort(
+        self, group: _Group, in_flight: list[asyncio.Future], exc: BaseException
+    ) -> None:
         """Tell receivers the sync is off, so they raise instead of waiting for a timeout."""
-        broken = False
-        for waiter in in_flight:
-            with contextlib.suppress(Exception):
-                await waiter
-            broken = broken or waiter.cancelled() or waiter.exception() is not None
-        if broken:
+        limit = min(self.timeout, 30.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*in_flight, return_exceptions=True), timeout=limit
+            )
+        if any(w.cancelled() or not w.done() or w.exception() is not None for w in in_flight):
             return  # the group itself is broken; receivers will see that error
         if isinstance(exc, TransferError):
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self._send_message(_Kind.ABORT, f"{type(exc).__name__}: {exc}"),
-                timeout=min(self.timeout, 30.0),
-            )
+            works = self._post_message(group, _Kind.ABORT, f"{type(exc).__name__}: {exc}")
+            await asyncio.wait_for(run_blocking(self._wait, group, works), timeout=limit)
+
+
+def _ends_tensor(bucket: PackedBucket) -> bool:
+    """True if the bucket holds the last piece of its (first) tensor."""
+    meta = bucket.meta.tensors[0]
+    return meta.chunk_offset + meta.nbytes == meta.total_nbytes

@@ -17,8 +17,8 @@ class AcmeGlooEngine(GlooCheckpointEngine):
 class CorruptingGlooEngine(GlooCheckpointEngine):
     """Flips the first byte of each received bucket (silent corruption on the wire)."""
 
-    async def _receive_message(self, buffer):
-        kind, payload, data = await super()._receive_message(buffer)
+    async def _receive_message(self, group, buffer):
+        kind, payload, data = await super()._receive_message(group, buffer)
         if data.numel():
             data[0] ^= 0xFF
         return kind, payload, data
