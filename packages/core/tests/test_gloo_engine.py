@@ -213,3 +213,13 @@ def test_group_init_fails_fast_naming_the_ranks_that_never_arrived():
     assert set(errors) == {0, 1}
     assert errors[0].missing_ranks == [2]
     assert "rank(s) [2] never arrived" in str(errors[1])
+
+
+def test_buffers_released_after_each_sync_are_reallocated_for_the_next():
+    engines = ThreadedSync(GlooCheckpointEngine, receivers=1, keep_buffers=False)
+    for seed in (1, 2):
+        weights = {"w": torch.randn(100, generator=torch.Generator().manual_seed(seed))}
+        sent, received, _ = engines.sync(weights)
+        assert not isinstance(sent[0], Exception), sent[0]
+        assert torch.equal(received[0]["w"], weights["w"])
+        assert engines.actors[0]._send_buffers == []

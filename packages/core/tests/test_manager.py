@@ -58,3 +58,37 @@ def test_manager_coroutines_never_block_on_ray_get():
     source = inspect.getsource(manager_module)
     assert "ray.get(" not in source
     assert "ray.wait(" not in source
+
+
+class LifecycleReplica:
+    """A replica without workers that records lifecycle calls (and can fail to abort)."""
+
+    def __init__(self, fail_abort=False):
+        self.workers = []
+        self.calls = []
+        self.fail_abort = fail_abort
+
+    async def abort_all_requests(self):
+        self.calls.append("abort_all_requests")
+        if self.fail_abort:
+            raise RuntimeError("server unreachable")
+
+    async def release_kv_cache(self):
+        self.calls.append("release_kv_cache")
+
+    async def resume_generation(self):
+        self.calls.append("resume_generation")
+
+
+def test_failure_before_transfer_resumes_replicas_but_never_stale_ones():
+    stale, failing = LifecycleReplica(), LifecycleReplica(fail_abort=True)
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]), [stale, failing]
+    )
+    manager.stale_replicas = [stale]  # left with incomplete weights by an earlier failure
+    with pytest.raises(SyncStageError, match="stage 'abort_requests' on replica 1") as info:
+        manager.update_weights_sync(global_steps=1)
+    assert info.value.stage == "abort_requests"
+    assert "resume_generation" in failing.calls
+    assert "resume_generation" not in stale.calls
+    assert manager.stale_replicas == [stale]
