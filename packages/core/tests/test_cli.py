@@ -20,3 +20,16 @@ def test_backends_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert rows["mooncake"]["state"] == "not installed"
     assert rows["mooncake"]["distribution"] == "weightsync-mooncake"
+
+
+def test_benchmark_and_harness_do_not_need_pytest():
+    """`weightsync bench` must work where only weightsync-core is installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"
+        "import weightsync_core.benchmark, weightsync_core.testing as t\n"
+        "assert t.SyncHarness and t.make_weights\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

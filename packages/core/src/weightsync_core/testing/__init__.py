@@ -2,23 +2,24 @@
 
 Subclass :class:`CheckpointEngineConformanceTests` (or
 :class:`ColocatedEngineConformanceTests`) in your backend's tests and set ``backend``.
-Requires pytest (``pip install weightsync-core[testing]``).
+The suite needs pytest (``pip install "weightsync-core[testing]"``); the harness and test
+weights (used by ``weightsync bench``) do not.
 """
 
+from typing import Any
+
 from weightsync_core.testing.harness import SyncHarness, ensure_ray
-from weightsync_core.testing.suite import (
-    CheckpointEngineConformanceTests,
-    ColocatedEngineConformanceTests,
-)
 from weightsync_core.testing.weights import Faults, digest, digests, make_weights
 
-__all__ = [
-    "CheckpointEngineConformanceTests",
-    "ColocatedEngineConformanceTests",
-    "Faults",
-    "SyncHarness",
-    "digest",
-    "digests",
-    "ensure_ray",
-    "make_weights",
-]
+_SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests")
+
+__all__ = [*_SUITE, "Faults", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the pytest-based suite only when it is asked for."""
+    if name in _SUITE:
+        from weightsync_core.testing import suite
+
+        return getattr(suite, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
