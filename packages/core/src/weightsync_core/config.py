@@ -30,8 +30,9 @@ class CheckpointEngineConfig:
 
     Attributes:
         backend: registered engine name (``naive``, ``gloo``, ``nccl``, ``nixl``, ...).
-        update_weights_bucket_megabytes: size of each transfer bucket in MiB; two are allocated
-            per process (double buffering). Tensors larger than a bucket are chunked.
+        update_weights_bucket_megabytes: size of each transfer bucket in MiB; a sender
+            allocates two (double buffering), a receiver up to three. Tensors larger than a
+            bucket are chunked.
         engine_kwargs: extra constructor arguments per backend name, e.g.
             ``{"nixl": {"backend_plugin": "UCX"}}``; only the active backend's entry is used.
         custom_backend_module: dotted module name (or list) imported in every process that

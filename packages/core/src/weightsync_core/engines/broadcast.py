@@ -334,7 +334,6 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                     return
                 index += 1
                 pending = asyncio.ensure_future(self._receive_message(group, buffers.take(index)))
-                self._synchronize_device()
                 if self.verify:
                     verifier.check_bucket(data, payload, source=group.sender)
                 for item in unpacker.unpack(data, payload):
