@@ -1,3 +1,10 @@
-"""weightsync-nixl: the `nixl` checkpoint-engine backend for weightsync (not implemented yet)."""
+"""weightsync-nixl: the ``nixl`` checkpoint-engine backend (a pipelined ring over NIXL).
 
-__all__: list[str] = []
+The registry loads it lazily through the ``weightsync.backends`` entry point; if NIXL cannot
+be imported, ``weightsync backends`` shows the import error and which wheel to install.
+"""
+
+from weightsync_nixl.engine import NixlCheckpointEngine
+from weightsync_nixl.transport import NixlTransport
+
+__all__ = ["NixlCheckpointEngine", "NixlTransport"]

@@ -1,5 +1,6 @@
-"""Broadcast topologies: which actor ranks send, and to which rollout workers.
+"""Topologies: which actor ranks send, and to which rollout workers.
 
+Broadcast (``gloo``, ``nccl``, ``hccl``):
 With one sender, actor rank 0 broadcasts to every rollout worker. With ``senders > 1``,
 actor ranks on the same host as actor rank 0 join as relays: each sender (rank 0 and its
 relays) broadcasts the weights it holds itself to its own, disjoint share of the rollout
@@ -8,14 +9,18 @@ another sender.
 
 A group formed in an earlier sync is reused when every member reports it intact and the
 membership is unchanged; otherwise the group is built anew on a fresh port.
+
+Ring (``nixl``, ``mooncake``): actor rank 0 feeds rollout worker 0, which forwards each
+bucket to rollout worker 1 while its own server reads it, and so on down the ring.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BroadcastGroup", "broadcast_topology", "plan_broadcast_groups"]
+__all__ = ["BroadcastGroup", "broadcast_topology", "plan_broadcast_groups", "ring_topology"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,53 @@ def broadcast_topology(
                 "members": member_ids,
             }
     keys = ("rank", "world_size", "master_metadata", "members")
+    return (
+        {key: [kwargs[key] for kwargs in actor_kwargs] for key in keys},
+        {key: [kwargs[key] for kwargs in rollout_kwargs] for key in keys},
+    )
+
+
+def ring_topology(
+    actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """``build_topology`` of the ring engines: actor rank 0 is ring position 0, rollout
+    worker ``i`` is position ``i + 1``; other actor ranks get position ``-1`` (they only
+    drain their weights).
+
+    ``metadata`` entries carry ``endpoint`` (the control-channel address). Every process
+    gets its ``position``, the ``sync_id`` of this sync, and the endpoint and name of its
+    ``upstream`` and ``downstream`` neighbours (``None`` at the ends of the ring).
+    """
+    if actor_wg_world_size < 1 or rollout_world_size < 1:
+        raise ValueError(
+            "a ring needs at least one actor rank and one rollout worker, got "
+            f"actor_wg_world_size={actor_wg_world_size}, rollout_world_size={rollout_world_size}"
+        )
+    if len(metadata) != actor_wg_world_size + rollout_world_size:
+        raise ValueError(
+            f"expected metadata of {actor_wg_world_size + rollout_world_size} processes, "
+            f"got {len(metadata)}"
+        )
+    sync_id = uuid.uuid4().hex
+    chain = [metadata[0]["endpoint"]] + [m["endpoint"] for m in metadata[actor_wg_world_size:]]
+    names = ["actor rank 0"] + [f"rollout rank {rank}" for rank in range(rollout_world_size)]
+
+    def place(position: int) -> dict[str, Any]:
+        has_next = position + 1 < len(chain)
+        return {
+            "position": position,
+            "sync_id": sync_id,
+            "upstream": chain[position - 1] if position > 0 else None,
+            "upstream_name": names[position - 1] if position > 0 else None,
+            "downstream": chain[position + 1] if has_next else None,
+            "downstream_name": names[position + 1] if has_next else None,
+        }
+
+    idle = {"position": -1, "sync_id": sync_id, "upstream": None, "upstream_name": None,
+            "downstream": None, "downstream_name": None}
+    actor_kwargs = [place(0)] + [dict(idle) for _ in range(actor_wg_world_size - 1)]
+    rollout_kwargs = [place(position) for position in range(1, len(chain))]
+    keys = list(idle)
     return (
         {key: [kwargs[key] for kwargs in actor_kwargs] for key in keys},
         {key: [kwargs[key] for kwargs in rollout_kwargs] for key in keys},

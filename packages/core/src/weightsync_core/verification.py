@@ -10,7 +10,7 @@ import xxhash
 from weightsync_core.bucketing import BucketMeta
 from weightsync_core.errors import VerificationError
 
-__all__ = ["DeliveryVerifier", "Manifest", "device_checksum", "host_checksum"]
+__all__ = ["DeliveryVerifier", "Manifest", "bucket_checksum", "device_checksum", "host_checksum"]
 
 Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 """``(name, shape, dtype)`` of every tensor the sender sent, in order."""
@@ -46,6 +46,12 @@ def device_checksum(data: torch.Tensor) -> int:
     tail = data[whole:].to(torch.int64)
     total += (tail * torch.arange(1, tail.numel() + 1, device=data.device)).sum()
     return int(total.item()) ^ (count << 1)
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """Checksum of a bucket's used bytes, computed where they live (xxh3 on the host,
+    :func:`device_checksum` on a device)."""
+    return host_checksum(data) if data.device.type == "cpu" else device_checksum(data)
 
 
 class DeliveryVerifier:

@@ -41,6 +41,7 @@ from weightsync_core.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
+from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
 from weightsync_core.process_group import (
     create_store,
@@ -50,7 +51,7 @@ from weightsync_core.process_group import (
     rendezvous,
 )
 from weightsync_core.topology import broadcast_topology
-from weightsync_core.verification import DeliveryVerifier, device_checksum, host_checksum
+from weightsync_core.verification import DeliveryVerifier, bucket_checksum
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
@@ -151,38 +152,18 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self._group_key: dict[str, Any] | None = None
         self._healthy = True
         self._send_buffers: list[torch.Tensor] = []
-        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
-        self._require_device()
         self.device = self._current_device()
+        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
 
     # -- hooks for device backends -------------------------------------------------------
     def _current_device(self) -> torch.device:
         """The device this engine uses, fixed at construction (worker threads may have
         another current device)."""
-        if self.device_type == "cpu":
-            return torch.device("cpu")
-        module = torch.get_device_module(self.device_type)
-        return torch.device(self.device_type, module.current_device())
+        return resolve_device(self.device_type, type(self).__name__, "backend='gloo'")
 
     def _allocate_bucket(self) -> torch.Tensor:
-        """One bucket buffer on this engine's device (host buffers are zero-filled, so their
-        pages are mapped now rather than during the transfer)."""
-        if self.device_type == "cpu":
-            return torch.zeros(self.bucket_size, dtype=torch.uint8)
-        return torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
-
-    def _require_device(self) -> None:
-        """Fail at construction, with the fix, when this engine's device is not visible."""
-        if self.device_type == "cpu":
-            return
-        module = torch.get_device_module(self.device_type)
-        if not module.is_available():
-            raise WeightSyncError(
-                f"{type(self).__name__} needs a {self.device_type} device, but "
-                f"torch.{self.device_type}.is_available() is False in this process (no "
-                "device, or the *_VISIBLE_DEVICES variable hides it). On CPU-only hosts use "
-                "backend='gloo'."
-            )
+        """One bucket buffer on this engine's device."""
+        return allocate_bucket(self.bucket_size, self.device)
 
     def _new_data_group(
         self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
@@ -194,12 +175,11 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         """Block until the device's current stream is idle: copies into a bucket are done
         before it is sent, and a collective is done before its bucket is reused or read.
         No-op on host memory."""
-        if self.device_type != "cpu":
-            torch.get_device_module(self.device_type).current_stream(self.device).synchronize()
+        synchronize_device(self.device)
 
     def _checksum(self, data: torch.Tensor) -> int:
         """Checksum of a bucket's used bytes, for verification (computed where they live)."""
-        return host_checksum(data) if data.device.type == "cpu" else device_checksum(data)
+        return bucket_checksum(data)
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def _own_host(self) -> str:

@@ -1,0 +1,162 @@
+"""NIXL as a :class:`~weightsync_core.transport.PeerTransport`: one agent per process."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+
+from weightsync_core.errors import TransferError, WeightSyncError
+from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+except ImportError as exc:  # the registry shows this message as the backend's load error
+    raise ImportError(
+        f"weightsync-nixl could not import NIXL ({exc}). Install the wheel for this host: "
+        "pip install nixl (meta package; picks nixl-cu12 or nixl-cu13 by the CUDA it finds, "
+        "and works on CPU-only hosts), or pin nixl-cu12 / nixl-cu13 explicitly"
+    ) from exc
+
+__all__ = ["NixlTransport"]
+
+_MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+_FIRST_POLL_SECONDS = 20e-6
+_MAX_POLL_SECONDS = 2e-3
+
+
+class NixlTransport(PeerTransport):
+    """One NIXL agent with one backend plugin, registering buckets and writing or reading
+    peers' buckets.
+
+    Args:
+        plugin: the NIXL backend plugin (``"UCX"`` by default; ``"LIBFABRIC"``, ...).
+        plugin_params: the plugin's init parameters (for UCX: ``ucx_devices``,
+            ``num_workers``, ``ucx_error_handling_mode``), as strings.
+        env: ``UCX_*`` (or other library) environment variables to set before the agent is
+            created; UCX reads its settings from the environment once, at start-up.
+        num_threads: worker threads of multi-threaded plugins (0: the plugin's default).
+    """
+
+    library = "NIXL"
+
+    def __init__(
+        self,
+        plugin: str = "UCX",
+        plugin_params: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
+        num_threads: int = 0,
+    ) -> None:
+        os.environ.update({key: str(value) for key, value in (env or {}).items()})
+        self.name = f"weightsync-{uuid.uuid4().hex[:12]}"
+        # engines call the agent from several threads (forwards overlap): make it thread-safe
+        config = nixl_agent_config(
+            backends=[], num_threads=num_threads,
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._agent = nixl_agent(self.name, config)
+        available = self._agent.get_plugin_list()
+        if plugin not in available:
+            raise WeightSyncError(
+                f"NIXL has no backend plugin {plugin!r} on this host; available: "
+                f"{', '.join(sorted(available))}. Pass plugin=<one of them> in engine_kwargs."
+            )
+        params = {key: str(value) for key, value in (plugin_params or {}).items()}
+        known = self._agent.get_plugin_params(plugin)
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise WeightSyncError(
+                f"NIXL plugin {plugin} has no parameter(s) {', '.join(unknown)}; it accepts: "
+                f"{', '.join(sorted(known)) or 'none'}"
+            )
+        self.plugin = plugin
+        self._agent.create_backend(plugin, params)
+        self._registered: dict[int, Any] = {}
+        self._remote: dict[str, bytes] = {}
+
+    def register(self, buffer: torch.Tensor) -> RemoteBuffer:
+        descriptor = describe_buffer(buffer)
+        self._registered[descriptor.addr] = self._agent.register_memory(
+            [buffer], backends=[self.plugin]
+        )
+        return descriptor
+
+    def deregister(self, buffer: torch.Tensor) -> None:
+        descs = self._registered.pop(buffer.data_ptr(), None)
+        if descs is not None:
+            self._agent.deregister_memory(descs, backends=[self.plugin])
+
+    def metadata(self) -> dict[str, Any]:
+        return {"agent": self.name, "blob": self._agent.get_agent_metadata()}
+
+    def connect(self, metadata: Any) -> Hashable:
+        name, blob = metadata["agent"], metadata["blob"]
+        if self._remote.get(name) != blob:
+            if name in self._remote:  # it re-registered its memory: load the new metadata
+                self.disconnect(name)
+            self._agent.add_remote_agent(blob)
+            self._remote[name] = blob
+        return name
+
+    def disconnect(self, peer: Hashable) -> None:
+        if self._remote.pop(str(peer), None) is not None:
+            self._agent.remove_remote_agent(str(peer))
+
+    def write(
+        self, peer: Hashable, local: torch.Tensor, remote: RemoteBuffer, timeout: float
+    ) -> None:
+        self._transfer("WRITE", peer, local, remote, timeout)
+
+    def read(
+        self, peer: Hashable, local: torch.Tensor, remote: RemoteBuffer, timeout: float
+    ) -> None:
+        self._transfer("READ", peer, local, remote, timeout)
+
+    def _transfer(
+        self, operation: str, peer: Hashable, local: torch.Tensor, remote: RemoteBuffer,
+        timeout: float,
+    ) -> None:
+        """Post one transfer and poll it (backing off to 2 ms) until done or ``timeout``."""
+        nbytes = local.numel() * local.element_size()
+        if nbytes != remote.nbytes:
+            raise ValueError(f"local tensor has {nbytes} bytes, remote buffer {remote.nbytes}")
+        if nbytes == 0:
+            return
+        local_descs = self._agent.get_xfer_descs([local])
+        remote_descs = self._agent.get_xfer_descs(
+            [(remote.addr, remote.nbytes, remote.device_id)], _MEMORY_TYPES[remote.device]
+        )
+        handle = self._agent.initialize_xfer(
+            operation, local_descs, remote_descs, str(peer), backends=[self.plugin]
+        )
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            pause = _FIRST_POLL_SECONDS
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"NIXL {operation} of {nbytes} bytes still in progress after "
+                        f"{timeout:.0f}s", code="PROC",
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_POLL_SECONDS)
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(
+                    f"NIXL {operation} of {nbytes} bytes ended in state {state} (the peer "
+                    "died, deregistered its memory, or the network failed)", code=state,
+                )
+        finally:
+            handle.release()
+
+    def close(self) -> None:
+        for name in list(self._remote):
+            self.disconnect(name)
+        for descs in self._registered.values():
+            self._agent.deregister_memory(descs, backends=[self.plugin])
+        self._registered.clear()

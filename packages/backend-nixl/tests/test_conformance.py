@@ -1,0 +1,10 @@
+"""The core conformance suite for ``nixl`` on host memory between real Ray actor processes."""
+
+from weightsync_core.testing import CheckpointEngineConformanceTests
+
+
+class TestNixlConformance(CheckpointEngineConformanceTests):
+    """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP."""
+
+    backend = "nixl"
+    engine_kwargs = {"device": "cpu", "ucx_transports": "tcp"}  # noqa: RUF012

@@ -1,0 +1,76 @@
+"""A side channel for small control messages between engine processes, over ZeroMQ.
+
+Transports that move bucket bytes one-sidedly (NIXL, Mooncake) still need to say "bucket
+``k`` is in slot ``s``" and "slot ``s`` is free again". Each process binds one PULL socket
+(its inbox) and keeps a PUSH socket per peer it writes to. Waiting on the inbox blocks in
+ZeroMQ's poller: no core spins while a process waits for its upstream.
+
+Messages are pickled dicts, so the channel trusts whoever can reach the inbox port (the same
+trust model as ``torch.distributed`` object collectives); bind to a cluster-internal address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from weightsync_core.errors import WeightSyncError
+
+__all__ = ["ControlChannel", "zmq_endpoint"]
+
+
+def zmq_endpoint(host: str, port: int | None = None) -> str:
+    """``tcp://host:port`` (IPv6 hosts bracketed); no port gives the bind prefix."""
+    address = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{address}" if port is None else f"tcp://{address}:{port}"
+
+
+class ControlChannel:
+    """This process's inbox plus outgoing sockets to peers.
+
+    Args:
+        host: address to bind the inbox to (and that peers connect to).
+    """
+
+    def __init__(self, host: str) -> None:
+        self._context = zmq.asyncio.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self.port = self._inbox.bind_to_random_port(zmq_endpoint(host))
+        self.endpoint = zmq_endpoint(host, self.port)
+        self._outboxes: dict[str, zmq.asyncio.Socket] = {}
+
+    async def send(self, endpoint: str, message: dict[str, Any], timeout: float) -> None:
+        """Queue ``message`` for the peer at ``endpoint``; raises :class:`TimeoutError` if
+        the peer cannot take it within ``timeout`` seconds (it is gone or not listening)."""
+        socket = self._outboxes.get(endpoint)
+        if socket is None:
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
+            socket.connect(endpoint)
+            self._outboxes[endpoint] = socket
+        await asyncio.wait_for(socket.send_pyobj(message), timeout)
+
+    async def receive(self, timeout: float | None = None) -> dict[str, Any]:
+        """The next message in the inbox; :class:`TimeoutError` after ``timeout`` seconds
+        (``None``: wait until cancelled)."""
+        message = await asyncio.wait_for(self._inbox.recv_pyobj(), timeout)
+        if not isinstance(message, dict):
+            raise WeightSyncError(f"control channel received a {type(message).__name__}, "
+                                  "not a message dict; is another program using this port?")
+        return message
+
+    def keep_only(self, endpoints: set[str]) -> None:
+        """Close the outgoing sockets to peers not in ``endpoints`` (they left the ring)."""
+        for endpoint in [e for e in self._outboxes if e not in endpoints]:
+            self._outboxes.pop(endpoint).close(linger=0)
+
+    def close(self) -> None:
+        """Close every socket and the context (idempotent)."""
+        self.keep_only(set())
+        self._inbox.close(linger=0)
+        self._context.term()
