@@ -285,7 +285,8 @@ class TrainingWorkerConfig:
         world_size: ranks in this worker group (FSDP2 shards across them).
         checkpoint_engine: weight-sync configuration; every worker imports its
             ``custom_backend_module`` before the backend is resolved.
-        rollout: sampling settings, for an actor that also serves generation (colocated).
+        temperature: the rollout's sampling temperature (log-probabilities use it; a
+            colocated actor also samples with it).
         torch_threads: intra-op threads of the worker process.
         extra_context: free-form values for custom workers (any picklable value, tensors
             included), injected per role by a :class:`~weightsync_trainer.TaskRunner` subclass.
@@ -297,7 +298,7 @@ class TrainingWorkerConfig:
     algorithm: AlgorithmConfig
     world_size: int
     checkpoint_engine: CheckpointEngineConfig
-    rollout: RolloutConfig | None = None
+    temperature: float = 1.0
     torch_threads: int = 1
     extra_context: dict[str, Any] = field(default_factory=dict)
 

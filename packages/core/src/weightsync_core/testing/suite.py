@@ -173,6 +173,31 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 "abort_all_requests", "release_kv_cache", "resume_generation"
             ]
 
+    def test_replica_removed_and_another_added_between_syncs(
+        self, harness: SyncHarness
+    ) -> None:
+        first, second = harness.replicas[0], harness.replicas[1]
+        manager = harness.manager([first, second])
+        expected = harness.set_weights(seed=25)
+        manager.update_weights_sync(global_steps=25)
+        self.assert_delivered(harness, expected, [first, second])
+        pids = {report["pid"] for report in harness.reports([second])}
+
+        newcomer = harness.new_replica(2, name="newcomer")
+        try:
+            manager.remove_replicas([first])
+            manager.add_replicas([newcomer])
+            expected = harness.set_weights(seed=26)
+            manager.update_weights_sync(global_steps=26)
+            self.assert_delivered(harness, expected, [second, newcomer])
+            # the replica that stayed kept its processes (no restart) and got both versions
+            assert {report["pid"] for report in harness.reports([second])} == pids
+            assert all(r["global_steps"][-2:] == [25, 26] for r in harness.reports([second]))
+            assert all(r["global_steps"] == [26] for r in harness.reports([newcomer]))
+        finally:
+            for worker in newcomer.workers:
+                ray.kill(worker)
+
     def _sync_with_a_broken_replica(
         self, harness: SyncHarness, error: type[Exception], timeout: float, **faults: int
     ):

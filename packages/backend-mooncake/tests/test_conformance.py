@@ -1,0 +1,11 @@
+"""The core conformance suite for ``mooncake`` over TCP between real Ray actor processes."""
+
+from weightsync_core.testing import CheckpointEngineConformanceTests
+
+
+class TestMooncakeConformance(CheckpointEngineConformanceTests):
+    """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP;
+    includes a tensor 5x the bucket size (chunked, not refused)."""
+
+    backend = "mooncake"
+    engine_kwargs = {"protocol": "tcp"}  # noqa: RUF012

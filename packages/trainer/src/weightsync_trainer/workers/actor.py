@@ -1,0 +1,120 @@
+"""The actor rank: the policy, sharded with FSDP2, and the sending side of weight sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry
+from weightsync_core.bucketing import WeightsSource
+
+from weightsync_trainer.algorithms import policy_loss
+from weightsync_trainer.modeling import build_policy_model, response_log_probs
+from weightsync_trainer.workers.generation import HFGenerationServer
+from weightsync_trainer.workers.training import TrainingWorker, full_parameters
+
+__all__ = ["ActorWorker"]
+
+
+class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
+    """One ``actor_wg`` rank: trains the policy and sends its weights through its engine.
+
+    Weights leave as full tensors one parameter at a time (:func:`full_parameters`), never as a
+    gathered state dict. With a colocated backend (``naive``) the rank also serves generation
+    from an in-process :class:`HFGenerationServer`, which receives the weights directly.
+    """
+
+    role = "actor"
+
+    def build_model(self) -> torch.nn.Module:
+        return build_policy_model(self.config.model)
+
+    def init_model(self, master_addr: str, master_port: int) -> None:
+        """Build the sharded policy, then this rank's checkpoint engine."""
+        super().init_model(master_addr, master_port)
+        engine_config = self.config.checkpoint_engine
+        colocated = None
+        if CheckpointEngineRegistry.get(engine_config.backend).is_colocated:
+            colocated = HFGenerationServer(self.config.model, self.config.temperature)
+        self.init_checkpoint_engine(engine_config, server_adapter=colocated)
+
+    def iter_weights(self) -> WeightsSource:
+        return full_parameters(self.model)
+
+    def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +
+        response, ``advantages``: ``[batch, response_length]``)."""
+        input_ids, advantages = batch["input_ids"], batch["advantages"]
+        length = advantages.shape[1]
+        temperature = self.config.temperature
+        self.model.eval()
+        with torch.no_grad():
+            old_log_probs, _ = response_log_probs(self.model, input_ids, length, temperature)
+
+        def loss_fn(rows: slice):
+            log_probs, entropy = response_log_probs(
+                self.model, input_ids[rows], length, temperature
+            )
+            loss, clip_fraction = policy_loss(
+                log_probs, old_log_probs[rows], advantages[rows], self.config.algorithm.clip_ratio
+            )
+            return loss, {
+                "actor/pg_loss": loss.detach(),
+                "actor/clip_fraction": clip_fraction,
+                "actor/entropy": entropy.detach().mean(),
+            }
+
+        return self._optimize(loss_fn, input_ids.shape[0])
+
+    async def generate(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> torch.Tensor:
+        """Colocated mode: sample from this rank's in-process rollout server."""
+        return await self._colocated_server().generate(prompt_ids, response_length, seed)
+
+    async def abort_all_requests(self) -> None:
+        """Colocated mode: pause the in-process rollout server for a weight sync."""
+        await self._colocated_server().abort_all_requests()
+
+    async def resume_generation(self) -> None:
+        """Colocated mode: resume the in-process rollout server."""
+        await self._colocated_server().resume_generation()
+
+    async def release_kv_cache(self) -> None:
+        """Colocated mode: nothing to free (``generate`` allocates its cache per call)."""
+
+    def rollout_weights_checksum(self) -> str:
+        """Colocated mode: digest of the weights the in-process server generates with."""
+        return self._colocated_server().weights_checksum()
+
+    def save_weights(self, directory: str) -> str | None:
+        """Write ``model.safetensors`` and ``config.json`` (loadable with
+        ``from_pretrained``) into ``directory``. Collective: every rank gathers each tensor in
+        turn, rank 0 keeps them and writes; returns the file path on rank 0."""
+        tensors = {
+            name: tensor.contiguous().clone()
+            for name, tensor in full_parameters(self.model)
+            if self.rank == 0
+        }
+        if self.rank != 0:
+            return None
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        self.model.config.to_json_file(str(path / "config.json"))
+        return str(path / "model.safetensors")
+
+    def worker_info(self) -> dict[str, Any]:
+        engine = type(self.checkpoint_engine)
+        return {**super().worker_info(),
+                "engine_class": f"{engine.__module__}.{engine.__qualname__}"}
+
+    def _colocated_server(self) -> HFGenerationServer:
+        if self.colocated_server_adapter is None:
+            raise RuntimeError(
+                "this actor rank serves no rollout: generation runs in the actor process only "
+                "with a colocated backend (rollout.checkpoint_engine.backend=naive)"
+            )
+        return self.colocated_server_adapter

@@ -1,0 +1,138 @@
+"""The base of actor and critic ranks: an FSDP2-sharded model, its optimiser and context."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from weightsync_core import load_custom_backend_module
+
+from weightsync_trainer.checksum import weights_digest
+from weightsync_trainer.config import TrainingWorkerConfig
+
+__all__ = ["TrainingWorker", "full_parameters"]
+
+_GROUP_TIMEOUT = timedelta(minutes=5)
+
+LossFn = Callable[[slice], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for each parameter, gathered one at a time.
+
+    Sharded parameters are all-gathered with ``DTensor.full_tensor()``; every rank of the
+    group must iterate in step (it is a collective). Only one full tensor exists at a time.
+    """
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, tensor.detach()
+
+
+def _shard(model: torch.nn.Module) -> None:
+    """FSDP2: shard each transformer block, then the root (embeddings, norm, head)."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module)
+    fully_shard(model)
+
+
+class TrainingWorker:
+    """One rank of a training worker group (``actor_wg`` or the critic group).
+
+    Construct it as a Ray actor with a :class:`TrainingWorkerConfig` and its rank, then call
+    :meth:`init_model` on every rank at once with rank 0's :meth:`master_address`. The model is
+    sharded with FSDP2 (``fully_shard``) over a gloo default process group on CPU.
+
+    ``custom_backend_module`` is imported in this process on construction, so that a custom
+    backend registers here too.
+    """
+
+    role = "training"
+
+    def __init__(self, config: TrainingWorkerConfig, rank: int) -> None:
+        torch.set_num_threads(config.torch_threads)
+        load_custom_backend_module(config.checkpoint_engine.custom_backend_module)
+        self.config = config
+        self.rank = rank
+        self.extra_context = config.extra_context
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def build_model(self) -> torch.nn.Module:
+        """The unsharded model of this role."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def master_address(self) -> tuple[str, int]:
+        """An address and free port of this host for the group's rendezvous (ask rank 0)."""
+        host = os.environ.get("WEIGHTSYNC_HOST") or socket.gethostbyname(socket.gethostname())
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return host, sock.getsockname()[1]
+
+    def init_model(self, master_addr: str, master_port: int) -> None:
+        """Join the group's default process group, build, shard and wrap the model."""
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+            world_size=self.config.world_size, timeout=_GROUP_TIMEOUT,
+        )
+        model = self.build_model()
+        _shard(model)
+        self.model = model
+        optim = self.config.optim
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay
+        )
+
+    def _optimize(self, loss_fn: LossFn, batch_size: int) -> dict[str, float]:
+        """``ppo_epochs`` passes of ``ppo_mini_batches`` optimiser steps over this rank's
+        shard; ``loss_fn(rows)`` returns the loss and metrics of those rows. Returns the mean
+        of every metric plus the gradient norm."""
+        algorithm = self.config.algorithm
+        size = batch_size // algorithm.ppo_mini_batches
+        sums: dict[str, float] = {}
+        count = 0
+        self.model.train()
+        for _ in range(algorithm.ppo_epochs):
+            for start in range(0, batch_size, size):
+                loss, metrics = loss_fn(slice(start, start + size))
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.config.optim.max_grad_norm
+                )
+                if isinstance(norm, DTensor):
+                    norm = norm.full_tensor()
+                self.optimizer.step()
+                metrics = {**metrics, f"{self.role}/grad_norm": norm}
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+                count += 1
+        return {key: value / count for key, value in sums.items()}
+
+    def weights_checksum(self) -> str:
+        """Digest of the full weights (collective: call on every rank)."""
+        return weights_digest(full_parameters(self.model))
+
+    def get_extra_context(self) -> dict[str, Any]:
+        """The ``extra_context`` this process received."""
+        return self.extra_context
+
+    def worker_info(self) -> dict[str, Any]:
+        """Process id, role, rank and which configured custom backend modules are imported."""
+        modules = self.config.checkpoint_engine.custom_backend_module or []
+        modules = [modules] if isinstance(modules, str) else list(modules)
+        return {
+            "pid": os.getpid(),
+            "role": self.role,
+            "rank": self.rank,
+            "custom_backend_modules_imported": [m for m in modules if m in sys.modules],
+        }
