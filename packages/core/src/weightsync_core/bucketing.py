@@ -25,6 +25,7 @@ __all__ = [
     "as_bytes",
     "cast_for_rollout",
     "iter_named_tensors",
+    "storage_refs",
 ]
 
 ALIGNMENT = 256
@@ -317,16 +318,18 @@ class ReceiveBuffers:
         """The buffer to receive bucket ``index`` into."""
         slot = index % len(self._buffers)
         buffer = self._buffers[slot]
-        refs = None if buffer is None else _storage_refs(buffer)
+        refs = None if buffer is None else storage_refs(buffer)
         if refs is None or refs > self._baseline[slot]:
             buffer = self._buffers[slot] = self._allocate()
-            self._baseline[slot] = _storage_refs(buffer) or 0
+            self._baseline[slot] = storage_refs(buffer) or 0
             self.allocations += 1
         return buffer
 
 
-def _storage_refs(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s storage (plus a constant); None if unknown."""
+def storage_refs(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s storage (plus a constant); None if unknown.
+    Comparing it with the value right after allocation tells whether a consumer still
+    holds a view of a receive buffer."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:  # pragma: no cover - torch without the counter: never reuse
         return None

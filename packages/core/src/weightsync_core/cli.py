@@ -30,13 +30,21 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from weightsync_core.benchmark import run_gloo_benchmark
+    common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
+              "repeats": args.repeats, "verify": not args.no_verify}
+    if args.backend == "gloo":
+        from weightsync_core.benchmark import run_gloo_benchmark
 
-    result = run_gloo_benchmark(
-        size_megabytes=args.size_mb, receivers=args.receivers,
-        bucket_megabytes=args.bucket_mb, num_tensors=args.tensors, repeats=args.repeats,
-        verify=not args.no_verify,
-    )
+        result = run_gloo_benchmark(
+            receivers=args.receivers or 2, bucket_megabytes=args.bucket_mb or 256, **common
+        )
+    else:
+        from weightsync_core.ring_benchmark import run_ring_benchmark
+
+        result = run_ring_benchmark(
+            args.backend, json.loads(args.engine_kwargs), receivers=args.receivers or 3,
+            bucket_megabytes=args.bucket_mb or 64, **common,
+        )
     print(result.table())
     if args.json_out:
         with open(args.json_out, "w") as handle:
@@ -57,12 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     backends.add_argument("--json", action="store_true", help="machine-readable output")
     backends.set_defaults(run=_backends)
     bench = commands.add_parser(
-        "bench", help="benchmark the gloo engine against raw gloo and the Ray object store"
+        "bench",
+        help="benchmark an engine against its raw transport: gloo (also against the Ray "
+        "object store), or a ring backend (nixl, mooncake) to 1 and to N rollout workers",
     )
-    bench.add_argument("backend", choices=["gloo"], help="engine to benchmark")
+    bench.add_argument("backend", help="gloo, or an installed ring backend: nixl, mooncake")
     bench.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
-    bench.add_argument("--receivers", type=int, default=2, help="rollout workers")
-    bench.add_argument("--bucket-mb", type=int, default=256, help="bucket size (MiB)")
+    bench.add_argument("--receivers", type=int,
+                       help="rollout workers (default: 2 for gloo; 3 for ring backends, "
+                       "which are also measured with 1)")
+    bench.add_argument("--bucket-mb", type=int,
+                       help="bucket size in MiB (default: 256 for gloo, 64 for ring backends)")
+    bench.add_argument("--engine-kwargs", default="{}",
+                       help='ring backends: engine keyword arguments as JSON, e.g. '
+                       '\'{"ucx_transports": "tcp"}\'')
     bench.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
     bench.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")

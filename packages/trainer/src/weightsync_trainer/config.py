@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync_core import CheckpointEngineConfig
-
 from weightsync_trainer.errors import ConfigError
 
 __all__ = [

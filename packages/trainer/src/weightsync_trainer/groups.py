@@ -7,8 +7,8 @@ from typing import Any
 
 import ray
 import torch
-from weightsync_core import RayWorkerGroup
 
+from weightsync_core import RayWorkerGroup
 from weightsync_trainer.config import TrainingWorkerConfig
 
 __all__ = ["TrainingWorkerGroup"]

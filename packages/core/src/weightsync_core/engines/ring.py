@@ -37,6 +37,7 @@ from weightsync_core.bucketing import (
     BucketUnpacker,
     WeightsSource,
     iter_named_tensors,
+    storage_refs,
 )
 from weightsync_core.channel import ControlChannel
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
@@ -66,11 +67,15 @@ class _Placement:
 
 @dataclass
 class _Downstream:
-    """What the downstream neighbour announced in its ``hello``."""
+    """What the downstream neighbour announced in its ``hello`` (and later credits)."""
 
     peer: Hashable
     slots: list[RemoteBuffer]
-    free: list[asyncio.Event] = field(default_factory=list)
+    free: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    """Slots given back (in any order): the next bucket goes to whichever is free first."""
+    new_metadata: Any = None
+    """Transport metadata announced with a replaced slot, to connect with before the next
+    write."""
 
 
 class _Session:
@@ -143,7 +148,11 @@ class _Session:
                 elif kind == "hello" and not self._hello.done():
                     self._hello.set_result(message)
                 elif kind == "credit" and self._downstream is not None:
-                    self._downstream.free[message["slot"]].set()
+                    slot = message["slot"]
+                    if message.get("buffer") is not None:  # it replaced that slot's buffer
+                        self._downstream.slots[slot] = message["buffer"]
+                        self._downstream.new_metadata = message["peer"]
+                    self._downstream.free.put_nowait(slot)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a malformed message: nothing else will arrive in order
@@ -166,25 +175,27 @@ class _Session:
                     on_timeout="waiting for its hello", peer=placement.downstream_name,
                 )
                 peer = await run_blocking(engine.connect_peer, hello["peer"])
-                slots = hello["slots"]
-                self._downstream = _Downstream(
-                    peer, slots, [asyncio.Event() for _ in slots]
-                )
-                for event in self._downstream.free:
-                    event.set()
+                self._downstream = _Downstream(peer, list(hello["slots"]))
+                for slot in range(len(self._downstream.slots)):
+                    self._downstream.free.put_nowait(slot)
         return self._downstream
 
-    async def take_slot(self, index: int) -> tuple[_Downstream, int]:
-        """Wait until the downstream slot for bucket ``index`` is free; claim it."""
+    async def take_slot(
+        self, index: int, previous: asyncio.Task | None
+    ) -> tuple[_Downstream, int]:
+        """Wait until a downstream slot is free for bucket ``index``; claim it. If the
+        downstream announced new transport metadata, reconnect first, once the ``previous``
+        bucket's write (which may use the old connection) has finished."""
         downstream = await self.downstream()
-        slot = index % len(downstream.slots)
-        event = downstream.free[slot]
-        await self.wait(
-            event.wait(), timeout=self.engine.timeout,
-            on_timeout=f"freeing slot {slot} for bucket {index}",
-            peer=self.placement.downstream_name,
+        slot = await self.wait(
+            downstream.free.get(), timeout=self.engine.timeout,
+            on_timeout=f"a free slot for bucket {index}", peer=self.placement.downstream_name,
         )
-        event.clear()
+        if downstream.new_metadata is not None:
+            if previous is not None:
+                await asyncio.wait({previous})  # its failure is reported by whoever awaits it
+            metadata, downstream.new_metadata = downstream.new_metadata, None
+            downstream.peer = await run_blocking(self.engine.connect_peer, metadata)
         return downstream, slot
 
     async def send(self, endpoint: str, peer: str, message: dict[str, Any]) -> None:
@@ -240,6 +251,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self._placement: _Placement | None = None
         self._buffers: list[torch.Tensor] = []
         self._descriptors: list[RemoteBuffer] = []
+        self._baselines: list[int | None] = []
         self._peers: dict[str, Hashable] = {}
 
     # -- hook for transports -------------------------------------------------------------
@@ -309,9 +321,10 @@ class RingCheckpointEngine(CheckpointEngine):
         if len(self._buffers) != wanted:
             self._release_buffers()
             for _ in range(wanted):
-                buffer = allocate_bucket(self.bucket_size, self.device)
-                self._descriptors.append(self.transport.register(buffer))
-                self._buffers.append(buffer)
+                self._buffers.append(None)
+                self._descriptors.append(None)
+                self._baselines.append(None)
+                self._replace_buffer(len(self._buffers) - 1)
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None
@@ -355,19 +368,30 @@ class RingCheckpointEngine(CheckpointEngine):
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yield received tensors (copies: the slot is forwarded and reused meanwhile)."""
+        """Yield received tensors as views of their slot where possible (chunked tensors are
+        merged into memory of their own). A slot is written again only after the consumer
+        moved past its tensors; if the consumer still holds a view then, the slot gets a new
+        buffer instead, so kept tensors are never overwritten."""
         placement = self._require_placement(sender=False)
         session = _Session(self, placement)
-        unpacker = BucketUnpacker(copy=True)
+        unpacker = BucketUnpacker(copy=False)
         verifier = DeliveryVerifier(bucket_checksum)
         upstream = placement.upstream_name
         forward: asyncio.Task | None = None
+        # slots whose tensors the consumer may still view, with the forward of their bucket
+        viewed: dict[int, asyncio.Task | None] = {}
+
+        def release(slot: int) -> None:
+            session.spawn(self._free_slot(session, slot, viewed.pop(slot)))
+
         try:
             hello = {"kind": "hello", "peer": self.transport.metadata(),
                      "slots": list(self._descriptors)}
             await session.send(placement.upstream, upstream, hello)
             expected = 0
             while True:
+                # At most one slot (the last bucket's) is held back here, so with two or more
+                # slots the upstream always has one to write the next bucket into.
                 message = await session.wait(
                     session.from_upstream.get(), timeout=self.timeout,
                     on_timeout=f"waiting for bucket {expected}", peer=upstream,
@@ -399,10 +423,18 @@ class RingCheckpointEngine(CheckpointEngine):
                     forward = session.spawn(self._forward(session, data, meta, forward))
                 if self.verify:
                     verifier.check_bucket(data, meta, source=upstream)
+                yielded = False
                 for item in unpacker.unpack(data, meta):
                     verifier.record(*item)
                     yield item
-                session.spawn(self._free_slot(session, slot, forward))
+                    yielded = True
+                    # the consumer asked for more: it is done with earlier buckets' tensors
+                    for earlier in list(viewed):
+                        release(earlier)
+                data = item = None  # drop our views: only the consumer's may remain
+                viewed[slot] = forward
+                if not yielded:  # chunks only: copied out, nobody views this slot
+                    release(slot)
         except BaseException as exc:
             await self._notify_abort(session, exc)
             raise
@@ -461,7 +493,7 @@ class RingCheckpointEngine(CheckpointEngine):
         """Write one bucket into a free downstream slot, then announce it (after the
         previous bucket's announcement, so they arrive in order)."""
         placement = session.placement
-        downstream, slot = await session.take_slot(meta.index)
+        downstream, slot = await session.take_slot(meta.index, previous)
         self._peers[placement.downstream] = downstream.peer
         stage = f"writing bucket {meta.index}"
         target = downstream.slots[slot]
@@ -494,13 +526,16 @@ class RingCheckpointEngine(CheckpointEngine):
     async def _free_slot(
         self, session: _Session, slot: int, forward: asyncio.Task | None
     ) -> None:
-        """Give ``slot`` back to the upstream neighbour once it has been forwarded."""
+        """Give ``slot`` back to the upstream neighbour once it has been forwarded; if the
+        consumer still views its buffer, announce a fresh buffer for it instead."""
         if forward is not None:
             await forward
+        credit: dict[str, Any] = {"kind": "credit", "slot": slot}
+        if storage_refs(self._buffers[slot]) != self._baselines[slot]:
+            credit["buffer"] = await run_blocking(self._replace_buffer, slot)
+            credit["peer"] = self.transport.metadata()
         placement = session.placement
-        await session.send(
-            placement.upstream, placement.upstream_name, {"kind": "credit", "slot": slot}
-        )
+        await session.send(placement.upstream, placement.upstream_name, credit)
 
     async def _send_downstream(self, session: _Session, message: dict[str, Any]) -> None:
         placement = session.placement
@@ -529,8 +564,21 @@ class RingCheckpointEngine(CheckpointEngine):
             with contextlib.suppress(Exception):
                 self._transport.disconnect(peer)
 
+    def _replace_buffer(self, slot: int) -> RemoteBuffer:
+        """Give ``slot`` a newly allocated, registered buffer (the old one is deregistered
+        and left to whoever still views it)."""
+        old = self._buffers[slot]
+        if old is not None:
+            self.transport.deregister(old)
+        buffer = allocate_bucket(self.bucket_size, self.device)
+        self._descriptors[slot] = self.transport.register(buffer)
+        self._buffers[slot] = buffer
+        self._baselines[slot] = storage_refs(buffer)
+        return self._descriptors[slot]
+
     def _release_buffers(self) -> None:
-        buffers, self._buffers, self._descriptors = self._buffers, [], []
+        buffers = self._buffers
+        self._buffers, self._descriptors, self._baselines = [], [], []
         for buffer in buffers:
             with contextlib.suppress(Exception):
                 self.transport.deregister(buffer)

@@ -32,7 +32,9 @@ class RecordingServerAdapter:
     """A stand-in inference server that keeps a digest of each received tensor.
 
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
-    forever (simulating a crashed or hung inference server).
+    forever (simulating a crashed or hung inference server). ``keep``: hold on to every
+    received tensor and digest them only after the whole update (a server that keeps the
+    engine's tensors must never see them overwritten by later buckets).
     """
 
     def __init__(self) -> None:
@@ -42,17 +44,23 @@ class RecordingServerAdapter:
         self.die_after: int | None = None
         self.stall_after: int | None = None
         self.discard = False
+        self.keep = False
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
         received: dict[str, TensorDigest] = {}
+        kept: dict[str, torch.Tensor] = {}
         async for name, tensor in weights:
             if self.die_after is not None and len(received) >= self.die_after:
                 os._exit(1)
             if self.stall_after is not None and len(received) >= self.stall_after:
                 await asyncio.sleep(3600)
+            if self.keep:
+                kept[name] = tensor
             received[name] = None if self.discard else digest(tensor)
+        if self.keep:
+            received = {name: digest(tensor) for name, tensor in kept.items()}
         self.received = received
         self.global_steps.append(global_steps)
 
@@ -73,12 +81,18 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         super().__init__(config, RecordingServerAdapter())
 
     def set_faults(
-        self, die_after: int | None = None, stall_after: int | None = None, discard: bool = False
+        self,
+        die_after: int | None = None,
+        stall_after: int | None = None,
+        discard: bool = False,
+        keep: bool = False,
     ) -> None:
-        """Make the server die or stall after that many tensors (``None``: behave)."""
+        """Make the server die or stall after that many tensors (``None``: behave), skip
+        digests (``discard``), or keep every tensor until the update ends (``keep``)."""
         self.server_adapter.die_after = die_after
         self.server_adapter.stall_after = stall_after
         self.server_adapter.discard = discard
+        self.server_adapter.keep = keep
 
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""

@@ -173,6 +173,19 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 "abort_all_requests", "release_kv_cache", "resume_generation"
             ]
 
+    def test_server_that_keeps_received_tensors_never_sees_them_overwritten(
+        self, harness: SyncHarness
+    ) -> None:
+        workers = [w for replica in harness.replicas for w in replica.workers]
+        ray.get([worker.set_faults.remote(keep=True) for worker in workers])
+        try:
+            for step in (27, 28):
+                expected = harness.set_weights(seed=step)
+                harness.manager().update_weights_sync(global_steps=step)
+                self.assert_delivered(harness, expected)
+        finally:
+            ray.get([worker.set_faults.remote() for worker in workers])
+
     def test_replica_removed_and_another_added_between_syncs(
         self, harness: SyncHarness
     ) -> None:

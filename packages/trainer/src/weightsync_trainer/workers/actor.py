@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry
 from weightsync_core.bucketing import WeightsSource
-
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 import torch
-from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
 
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.workers.generation import HFGenerationServer
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from weightsync_core import load_custom_backend_module
 
+from weightsync_core import load_custom_backend_module
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import TrainingWorkerConfig
 

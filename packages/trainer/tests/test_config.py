@@ -1,0 +1,78 @@
+"""YAML defaults, dotted overrides and validation errors."""
+
+import pytest
+
+from weightsync_trainer import ConfigError, load_config
+from weightsync_trainer.cli import main
+from weightsync_trainer.config_loader import config_to_dict, default_config_dict
+
+
+def test_defaults_build_and_match_the_packaged_yaml():
+    config = load_config()
+    assert config.algorithm.name == "grpo"
+    assert config.rollout.checkpoint_engine.backend == "gloo"
+    assert config.rollout.checkpoint_manager_class is None
+    assert config_to_dict(config)["actor"] == default_config_dict()["actor"]
+
+
+def test_dotted_overrides_reach_nested_dataclasses():
+    config = load_config(overrides=[
+        "rollout.checkpoint_engine.backend=nixl",
+        "trainer.total_steps=20",
+        "actor.optim.lr=1e-3",  # YAML reads this as a string; a float field accepts it
+        "rollout.checkpoint_engine.engine_kwargs.nixl.device=cpu",
+        "rollout.checkpoint_engine.custom_backend_module=[pkg_a.backend, pkg_b.backend]",
+        "trainer.output_dir=null",
+    ])
+    assert config.rollout.checkpoint_engine.backend == "nixl"
+    assert config.trainer.total_steps == 20
+    assert config.actor.optim.lr == pytest.approx(1e-3)
+    assert config.rollout.checkpoint_engine.engine_kwargs == {"nixl": {"device": "cpu"}}
+    assert config.rollout.checkpoint_engine.custom_backend_module == [
+        "pkg_a.backend", "pkg_b.backend"
+    ]
+    assert config.trainer.output_dir is None
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("algorithm:\n  name: ppo\ntrainer:\n  total_steps: 7\n")
+    config = load_config(path, ["trainer.total_steps=9"])
+    assert config.algorithm.name == "ppo"
+    assert config.trainer.total_steps == 9
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.total_step=5", r"unknown configuration key 'trainer.total_step'\. "
+                             r"Did you mean trainer.total_steps"),
+    ("rollout.checkpoint_engine.backnd=gloo", "Did you mean rollout.checkpoint_engine.backend"),
+    ("trainr.total_steps=5", "Did you mean trainer"),
+    ("trainer.total_steps=many", r"trainer.total_steps must be int, got 'many'"),
+    ("trainer.total_steps=2.5", "trainer.total_steps must be int"),
+    ("rollout.checkpoint_engine.verify=maybe", "verify must be bool"),
+    ("trainer.total_steps=0", r"trainer.total_steps must be > 0, got 0"),
+    ("algorithm.name=dpo", "algorithm.name must be one of grpo, ppo"),
+    ("algorithm.lam=1.5", r"algorithm.lam must be in \[0, 1\]"),
+    ("rollout.checkpoint_engine.update_weights_bucket_megabytes=0",
+     "update_weights_bucket_megabytes must be a positive integer"),
+    ("task.target_token=99", r"task.target_token \(99\) must be < model.vocab_size"),
+    ("algorithm.ppo_mini_batches=5", "must split evenly into actor.world_size"),
+    ("trainer.total_steps.x=1", r"trainer.total_steps is a value \(30\), not a section"),
+    ("trainer.total_steps", "must look like section.key=value"),
+    ("model=3", "model must be a mapping of keys"),
+])
+def test_bad_overrides_are_explained(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_prints_config_and_reports_errors(capsys):
+    assert main(["--print-config", "trainer.total_steps=3"]) == 0
+    assert "total_steps: 3" in capsys.readouterr().out
+    assert main(["trainer.totl_steps=3"]) == 2
+    assert "Did you mean trainer.total_steps" in capsys.readouterr().err
