@@ -79,6 +79,15 @@ class CheckpointEngine(ABC):
         :meth:`init_process_group`; likewise for rollout worker ``i``.
         """
 
+    @classmethod
+    def build_replica_topology(
+        cls, actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """:meth:`build_topology` for engines that need to know which rollout workers form a
+        replica (``replica_sizes[i]`` workers in replica ``i``, in rank order). The manager
+        calls this; by default it ignores the replica layout."""
+        return cls.build_topology(actor_wg_world_size, sum(replica_sizes), metadata)
+
     @abstractmethod
     def init_process_group(self, **kwargs: Any) -> None:
         """Join this sync's communication group with the arguments from :meth:`build_topology`."""
@@ -108,8 +117,14 @@ class CheckpointEngine(ABC):
 
 
 class CheckpointEngineWithCache(CheckpointEngine):
-    """An engine whose actor side keeps a host copy of the latest weights after sending."""
+    """An engine whose actor side keeps a host copy of the latest weights after sending.
+
+    A replica added after an update gets those weights through
+    :meth:`CheckpointEngineManager.update_replicas_from_cache`: the usual prepare /
+    topology / group steps run, then the new rollout workers iterate :meth:`get_weights`
+    while the actor ranks send nothing.
+    """
 
     @abstractmethod
     def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Fetch the latest cached weights without the actor ranks sending again."""
+        """Rollout side: fetch the latest cached weights (the actor ranks do not send)."""

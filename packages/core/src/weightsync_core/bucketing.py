@@ -165,8 +165,14 @@ class BucketPacker:
     yielded as bucket(s) of its own whose buffer is the tensor's memory ("direct" buckets,
     split at the bucket size). This saves one copy of most of a model's bytes.
 
+    With ``grow``, nothing is reused: bucket ``i`` goes to ``buffers[i]``, and ``grow()``
+    appends a buffer whenever the list is too short (for engines that keep every bucket,
+    e.g. as a cache of the latest weights).
+
     Attributes:
-        buffers: two (or more) ``uint8`` buffers of equal size, on the engine's device.
+        buffers: two (or more) ``uint8`` buffers of equal size, on the engine's device (with
+            ``grow``: the buffers to fill first, possibly none).
+        grow: returns one more buffer of the same size, when packing needs one.
         rollout_dtype: cast floating-point tensors to this dtype first.
         checksum: if set, computes each bucket's checksum for verification.
         direct_min_bytes: send tensors at least this large without packing (None: never).
@@ -176,6 +182,7 @@ class BucketPacker:
 
     buffers: list[torch.Tensor]
     rollout_dtype: torch.dtype | None = None
+    grow: Callable[[], torch.Tensor] | None = None
     checksum: Callable[[torch.Tensor], int] | None = None
     direct_min_bytes: int | None = None
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
@@ -184,6 +191,8 @@ class BucketPacker:
     num_buckets: int = 0
 
     def __post_init__(self) -> None:
+        if self.grow is not None and not self.buffers:
+            self.buffers.append(self.grow())
         sizes = {buffer.numel() for buffer in self.buffers}
         if len(sizes) != 1 or min(sizes) < ALIGNMENT:
             raise ValueError(f"buffers must share one size of at least {ALIGNMENT} bytes")
@@ -218,7 +227,7 @@ class BucketPacker:
             position = 0
             while True:
                 piece = min(total - position, self.bucket_size - offset)
-                buffer = self.buffers[self._packed % len(self.buffers)]
+                buffer = self._buffer(self._packed)
                 buffer[offset : offset + piece].copy_(data[position : position + piece])
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
@@ -230,8 +239,15 @@ class BucketPacker:
                 metas, offset, end = [], 0, 0
         yield self._flush(metas, end)
 
+    def _buffer(self, index: int) -> torch.Tensor:
+        if self.grow is None:
+            return self.buffers[index % len(self.buffers)]
+        while len(self.buffers) <= index:
+            self.buffers.append(self.grow())
+        return self.buffers[index]
+
     def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
-        buffer = self.buffers[self._packed % len(self.buffers)]
+        buffer = self._buffer(self._packed)
         self._packed += 1
         return self._bucket(buffer, metas, nbytes)
 

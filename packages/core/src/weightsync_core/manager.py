@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from weightsync_core.base import CheckpointEngineWithCache
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import SenderAbortedError, SyncStageError, SyncTimeoutError
 from weightsync_core.plugins import load_custom_backend_module
@@ -118,9 +119,37 @@ class CheckpointEngineManager:
         ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps``
         and ``gbps`` (payload bytes per second).
         """
+        return await self._sync(list(self.replicas), global_steps, from_cache=False)
+
+    def update_replicas_from_cache_sync(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
+    ) -> dict[str, float]:
+        """:meth:`update_replicas_from_cache` for synchronous callers."""
+        return run_sync(self.update_replicas_from_cache(replicas, global_steps))
+
+    async def update_replicas_from_cache(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
+    ) -> dict[str, float]:
+        """Bring managed ``replicas`` (e.g. just added) to the latest update from the actor
+        side's cache, without the actor ranks sending again (backends with a cache, such as
+        ``kimi``). ``global_steps`` is the version to report (that of the last update).
+        Metrics as :meth:`update_weights`; ``bytes`` is what the replicas loaded."""
+        if not issubclass(self.backend_cls, CheckpointEngineWithCache):
+            raise TypeError(
+                f"backend {self.backend!r} keeps no cache of the latest weights on the actor "
+                "side; new replicas get the weights from the next update_weights"
+            )
+        chosen = list(replicas)
+        for replica in chosen:
+            if not any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is not managed; add_replicas() first")
+        return await self._sync(chosen, global_steps, from_cache=True)
+
+    async def _sync(
+        self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool
+    ) -> dict[str, float]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.sync_timeout_seconds
-        replicas = list(self.replicas)
         metrics: dict[str, float] = {}
         stage_start = started = loop.time()
 
@@ -145,7 +174,7 @@ class CheckpointEngineManager:
             for name, method in (("abort_requests", "abort_all_requests"),
                                  ("release_kv_cache", "release_kv_cache")):
                 await stage(name, lambda method=method: self._replica_calls(replicas, method))
-            sent = await self._transfer(stage, replicas, global_steps)
+            sent = await self._transfer(stage, replicas, global_steps, from_cache)
         except BaseException as exc:
             error = exc if isinstance(exc, SyncStageError) else SyncStageError(
                 f"weight sync ({self.backend}) failed at stage {current!r}: "
@@ -179,7 +208,9 @@ class CheckpointEngineManager:
         })
         return metrics
 
-    async def _transfer(self, stage, replicas: list[RolloutReplica], global_steps: int | None):
+    async def _transfer(
+        self, stage, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool
+    ):
         actor_wg = self.actor_wg
         actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
         if self.backend_cls.is_colocated:
@@ -211,8 +242,8 @@ class CheckpointEngineManager:
 
         metadata = await stage("prepare", both("prepare"))
         try:
-            actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(
-                actor_wg.world_size, rollout.world_size, metadata
+            actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
+                actor_wg.world_size, [len(replica.workers) for replica in replicas], metadata
             )
         except Exception as exc:
             raise SyncStageError(
@@ -220,12 +251,18 @@ class CheckpointEngineManager:
                 f"{type(exc).__name__}: {exc}", stage="build_topology",
             ) from exc
         await stage("init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs))
-        results = await stage("transfer", lambda: list(zip(
-            names, actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps),
-            strict=True,
-        )))
+        if from_cache:  # the actor ranks send nothing: the rollout workers pull the cache
+            results = await stage("transfer", lambda: list(zip(
+                rollout_names, rollout.update_weights_from_cache(global_steps), strict=True
+            )))
+        else:
+            results = await stage("transfer", lambda: list(zip(
+                names, actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps),
+                strict=True,
+            )))
         await stage("finalize", both("finalize"))
-        return results[: actor_wg.world_size]
+        # payload per receiver: the senders' counts, or (from the cache) what a worker loaded
+        return results[: actor_wg.world_size] if not from_cache else results[:1]
 
     @staticmethod
     def _replica_calls(replicas: list[RolloutReplica], method: str):

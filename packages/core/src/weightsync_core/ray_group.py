@@ -37,6 +37,10 @@ class RayWorkerGroup:
     def update_weights(self, global_steps: int | None = None) -> list[Any]:
         return [worker.update_weights.remote(global_steps) for worker in self.workers]
 
+    def update_weights_from_cache(self, global_steps: int | None = None) -> list[Any]:
+        """Rollout workers only: load the actor side's cached weights (kimi)."""
+        return [worker.update_weights_from_cache.remote(global_steps) for worker in self.workers]
+
 
 class RayRolloutReplica:
     """A replica made of Ray ``CheckpointEngineWorker`` actors; lifecycle calls go to each."""

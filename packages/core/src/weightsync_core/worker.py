@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, TransferStats
+from weightsync_core.base import CheckpointEngine, CheckpointEngineWithCache, TransferStats
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import CheckpointEngineConfig
@@ -112,6 +112,20 @@ class CheckpointEngineWorker:
         stats = await _deliver(
             self.server_adapter, self.checkpoint_engine.receive_weights(global_steps), global_steps
         )
+        self.update_complete = True
+        self.weights_version = global_steps
+        return stats.as_dict()
+
+    async def update_weights_from_cache(self, global_steps: int | None = None) -> dict[str, float]:
+        """Load the actor side's cached latest weights (engines with a cache only)."""
+        engine = self.checkpoint_engine
+        if not isinstance(engine, CheckpointEngineWithCache):
+            raise WeightSyncError(
+                f"backend {self.config.backend!r} keeps no cache of the latest weights; "
+                "new replicas get them from the next update_weights"
+            )
+        self.update_complete = False
+        stats = await _deliver(self.server_adapter, engine.get_weights(), global_steps)
         self.update_complete = True
         self.weights_version = global_steps
         return stats.as_dict()

@@ -34,6 +34,7 @@ from torch.distributed.distributed_c10d import BroadcastOptions
 from weightsync_core.base import CheckpointEngine, TransferStats
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import (
+    BucketMeta,
     BucketPacker,
     BucketUnpacker,
     PackedBucket,
@@ -51,7 +52,7 @@ from weightsync_core.process_group import (
     rendezvous,
 )
 from weightsync_core.topology import broadcast_topology
-from weightsync_core.verification import DeliveryVerifier, bucket_checksum
+from weightsync_core.verification import DeliveryVerifier, Manifest, bucket_checksum
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
@@ -325,6 +326,34 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self._healthy = self._healthy and completed
             if pending is not None:
                 pending.cancel()
+
+    # -- relaying buckets packed elsewhere (kimi feeds a replica's group this way) ------------
+    async def relay_bucket(self, meta: BucketMeta, data: torch.Tensor) -> None:
+        """Group rank 0: broadcast one already-packed bucket (``data`` = its used bytes, on
+        this engine's device); returns once it has left. Receivers run
+        :meth:`receive_weights` as usual."""
+        await self._relay(_Kind.BUCKET, meta, data)
+
+    async def relay_final(self, manifest: Manifest, global_steps: int | None) -> None:
+        """Group rank 0: end a relayed stream with the sender's manifest."""
+        await self._relay(_Kind.FINAL, {"manifest": manifest, "global_steps": global_steps})
+
+    async def relay_abort(self, reason: str) -> None:
+        """Group rank 0: tell the receivers the relayed stream is off (best effort)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._relay(_Kind.ABORT, reason), min(self.timeout, 30.0))
+
+    async def _relay(self, kind: _Kind, payload: object, data: torch.Tensor | None = None) -> None:
+        group = self._require_group(sender=True)
+        if group is None:
+            raise WeightSyncError(f"{type(self).__name__}: this rank has no group to relay to")
+        try:
+            if data is not None:
+                self._synchronize_device()
+            await run_blocking(self._wait, group, self._post_message(group, kind, payload, data))
+        except BaseException:
+            self._healthy = False
+            raise
 
     def finalize(self) -> None:
         """End this sync; the group stays for the next sync unless ``rebuild_group`` is set
