@@ -182,9 +182,9 @@ class BucketPacker:
 
     buffers: list[torch.Tensor]
     rollout_dtype: torch.dtype | None = None
-    grow: Callable[[], torch.Tensor] | None = None
     checksum: Callable[[torch.Tensor], int] | None = None
     direct_min_bytes: int | None = None
+    grow: Callable[[], torch.Tensor] | None = None
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0

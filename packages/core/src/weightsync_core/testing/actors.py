@@ -116,6 +116,7 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
         self.weights: dict[str, torch.Tensor] = {}
         self.faults = Faults()
         self.colocated_adapter = RecordingServerAdapter()
+        self.weight_streams = 0
         self.init_checkpoint_engine(config, self.colocated_adapter)
 
     def set_weights(
@@ -134,6 +135,7 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
         return numel * 4 * num_tensors
 
     def iter_weights(self) -> WeightsSource:
+        self.weight_streams += 1
         return faulty_stream(self.weights, self.faults)
 
     def report(self) -> dict[str, Any]:
@@ -141,6 +143,7 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
         return {
             "received": self.colocated_adapter.received,
             "global_steps": self.colocated_adapter.global_steps,
+            "weight_streams": self.weight_streams,
             "engine_class": type(self.checkpoint_engine).__module__ + "."
             + type(self.checkpoint_engine).__qualname__,
             "pid": os.getpid(),

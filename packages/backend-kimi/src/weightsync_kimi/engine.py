@@ -1,0 +1,387 @@
+"""The ``kimi`` engine: every actor rank serves its share from host memory; one leader per
+replica pulls the buckets peer-to-peer over Mooncake and relays them to the rest of its
+replica over a collective broadcast (Moonshot's checkpoint-engine pattern, which verl wraps
+as ``kimi_ckpt_engine``).
+
+1. Each actor rank packs the tensors it owns (:class:`~weightsync_kimi.shares.ShareAssigner`)
+   into host buckets registered with the Transfer Engine, kept until the next update, and
+   sends a :class:`~weightsync_kimi.shares.ShareManifest` to every replica's leader.
+2. A leader pulls the buckets of all owners, interleaved, double-buffered: the pull of bucket
+   ``k+1`` overlaps the broadcast of bucket ``k`` to the replica and its own server's read.
+3. :meth:`KimiCheckpointEngine.get_weights` runs step 2 from the shares the owners still
+   hold, so a replica added later gets the latest weights while the actor ranks send nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from weightsync_core import CheckpointEngineRegistry, CheckpointEngineWithCache, TransferStats
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import (
+    BucketMeta,
+    BucketPacker,
+    BucketUnpacker,
+    WeightsSource,
+    iter_named_tensors,
+)
+from weightsync_core.channel import ControlChannel
+from weightsync_core.devices import allocate_bucket
+from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
+from weightsync_core.errors import TransferError, WeightSyncError
+from weightsync_core.process_group import default_host
+from weightsync_core.transport import RemoteBuffer
+from weightsync_core.verification import DeliveryVerifier, bucket_checksum
+from weightsync_kimi.shares import ShareAssigner, ShareManifest, rollout_nbytes
+from weightsync_kimi.topology import kimi_topology
+from weightsync_mooncake.transport import MooncakeTransport
+
+__all__ = ["KimiCheckpointEngine"]
+
+
+@CheckpointEngineRegistry.register("kimi_ckpt_engine")
+@CheckpointEngineRegistry.register("kimi")
+class KimiCheckpointEngine(CheckpointEngineWithCache):
+    """Actor ranks serve shares from host memory; replica leaders pull, then broadcast.
+
+    Args:
+        bucket_size: bytes per bucket (an actor rank holds its share in as many buckets as
+            it needs; a leader pulls into two).
+        protocol: Mooncake Transfer Engine protocol (``"tcp"``; ``"rdma"`` on clusters).
+        device_name: RDMA device names for the Transfer Engine (empty: discover).
+        host: address of this process (default: ``WEIGHTSYNC_HOST``, the Ray node IP, or
+            ``127.0.0.1``).
+        collective: the broadcast backend inside a replica: ``"gloo"`` (host memory),
+            ``"nccl"`` or ``"hccl"`` (installed separately).
+        collective_kwargs: its constructor arguments.
+        keep_buffers: keep the leader's pull buffers between syncs.
+        **kwargs: see :class:`~weightsync_core.CheckpointEngine`.
+    """
+
+    def __init__(
+        self,
+        bucket_size: int,
+        *,
+        protocol: str = "tcp",
+        device_name: str = "",
+        host: str | None = None,
+        collective: str = "gloo",
+        collective_kwargs: dict[str, Any] | None = None,
+        keep_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(bucket_size, **kwargs)
+        inner_cls = CheckpointEngineRegistry.get(collective)
+        if not issubclass(inner_cls, CollectiveBroadcastCheckpointEngine):
+            raise ValueError(
+                f"collective must name a broadcast backend (gloo, nccl, hccl), got {collective!r}"
+            )
+        self.protocol = protocol
+        self.device_name = device_name
+        self.host = host
+        self.collective = collective
+        self.keep_buffers = keep_buffers
+        self._inner = inner_cls(
+            bucket_size, verify=self.verify, timeout=self.timeout, host=host,
+            **(collective_kwargs or {}),
+        )
+        self._channel: ControlChannel | None = None
+        self._transport: MooncakeTransport | None = None
+        self._plan: dict[str, Any] | None = None
+        self._pinned = torch.cuda.is_available()
+        self._cache: ShareManifest | None = None
+        self._cache_buffers: list[torch.Tensor] = []
+        self._cache_descriptors: list[RemoteBuffer] = []
+        self._slots: list[torch.Tensor] = []
+
+    # -- set-up --------------------------------------------------------------------------
+    @property
+    def transport(self) -> MooncakeTransport:
+        """This process's Transfer Engine (created on first use)."""
+        if self._transport is None:
+            self._transport = MooncakeTransport(
+                self.host or default_host(), self.protocol, self.device_name
+            )
+        return self._transport
+
+    def prepare(self) -> dict[str, Any]:
+        if self._channel is None:
+            self._channel = ControlChannel(self.host or default_host())
+        return {
+            "endpoint": self._channel.endpoint,
+            "peer": self.transport.metadata(),
+            "cache": self._cache,
+            "collective": self.collective,
+            "inner": self._inner.prepare(),
+        }
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Without the replica layout, every rollout worker pulls for itself."""
+        return kimi_topology(actor_wg_world_size, [1] * rollout_world_size, metadata)
+
+    @classmethod
+    def build_replica_topology(
+        cls, actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        return kimi_topology(actor_wg_world_size, replica_sizes, metadata)
+
+    def init_process_group(self, plan: dict[str, Any]) -> None:
+        self._plan = plan
+        if plan["inner"] is not None:
+            self._inner.init_process_group(**plan["inner"])
+        if plan["role"] == "leader" and not self._slots:
+            self._slots = [self._register(self._allocate()) for _ in range(2)]
+
+    # -- actor side ----------------------------------------------------------------------
+    async def send_weights(
+        self, weights: WeightsSource, global_steps: int | None = None
+    ) -> TransferStats:
+        start = time.perf_counter()
+        plan = self._require("owner", "send_weights")
+        rank = plan["rank"]
+        assigner = ShareAssigner(plan["world_size"])
+        totals = {"bytes": 0, "tensors": 0}
+
+        async def own_share() -> AsyncIterator[tuple[str, torch.Tensor]]:
+            async for name, tensor in iter_named_tensors(weights):
+                nbytes = rollout_nbytes(tensor, self.rollout_dtype)
+                totals["bytes"] += nbytes
+                totals["tensors"] += 1
+                if assigner.owner(nbytes) == rank:
+                    yield name, tensor
+
+        self._cache = None  # the buffers are being rewritten
+        packer = BucketPacker(
+            self._cache_buffers, self.rollout_dtype,
+            bucket_checksum if self.verify else None, grow=self._new_cache_buffer,
+        )
+        buckets = []
+        async for bucket in packer.pack(own_share()):
+            if bucket.meta.tensors:
+                buffer = self._cache_descriptors[len(buckets)]
+                buckets.append((bucket.meta, buffer.at(0, bucket.meta.nbytes)))
+        share = ShareManifest(
+            rank, self.transport.metadata(), plan["sync_id"], buckets, packer.manifest,
+            global_steps,
+        )
+        for leader in plan["leaders"]:
+            message = {"kind": "share", "sync": plan["sync_id"], "share": share}
+            try:
+                await self._channel.send(leader, message, self.timeout)
+            except TimeoutError as exc:
+                raise TransferError(
+                    f"kimi actor rank {rank} could not reach a replica leader at {leader} "
+                    f"within {self.timeout:.0f}s to publish its share",
+                    peer=leader, stage="publishing share",
+                ) from exc
+        self._cache = share
+        return TransferStats(
+            totals["tensors"], totals["bytes"], len(buckets), time.perf_counter() - start
+        )
+
+    # -- rollout side --------------------------------------------------------------------
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        plan = self._require(("leader", "member"), "receive_weights")
+        if plan["role"] == "member":
+            async for item in self._inner.receive_weights(global_steps):
+                yield item
+            return
+        shares = await self._collect_shares(plan)
+        async for item in self._pull_and_relay(shares, global_steps):
+            yield item
+
+    async def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Load the shares the actor ranks hold from the last update (nothing is sent)."""
+        plan = self._require(("leader", "member"), "get_weights")
+        if plan["role"] == "member":
+            async for item in self._inner.receive_weights():
+                yield item
+            return
+        shares = [owner["cache"] for owner in plan["owners"]]
+        missing = [rank for rank, share in enumerate(shares) if share is None]
+        error = None
+        if missing:
+            error = (f"actor rank(s) {missing} hold no cached weights; run update_weights "
+                     "before update_replicas_from_cache")
+        elif len({share.update_id for share in shares}) != 1:
+            error = "the actor ranks hold shares of different updates (one failed part-way)"
+        if error is not None:
+            await self._abort_members(error)
+            raise WeightSyncError(f"kimi: {error}")
+        async for item in self._pull_and_relay(shares, shares[0].global_steps):
+            yield item
+
+    def finalize(self) -> None:
+        """End this sync: the replica group stays for reuse; the actor ranks keep their share
+        (the cache) until the next update; the leader's pull buffers are released unless
+        ``keep_buffers``."""
+        plan, self._plan = self._plan, None
+        if plan is not None and plan["inner"] is not None:
+            self._inner.finalize()
+        if not self.keep_buffers:
+            self._release_slots()
+
+    def abort(self) -> None:
+        """After a failed sync: drop the replica group and the pull buffers. A share whose
+        update failed part-way is not offered as a cache."""
+        self._plan = None
+        self._inner.abort()
+        self._release_slots()
+
+    def close(self) -> None:
+        """Release everything, the cached share and the Transfer Engine included."""
+        self.abort()
+        self._cache = None
+        for buffer in self._cache_buffers:
+            with contextlib.suppress(Exception):
+                self.transport.deregister(buffer)
+        self._cache_buffers, self._cache_descriptors = [], []
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # -- internals -----------------------------------------------------------------------
+    def _require(self, roles: str | tuple[str, ...], method: str) -> dict[str, Any]:
+        plan = self._plan
+        roles = (roles,) if isinstance(roles, str) else roles
+        if plan is None:
+            raise WeightSyncError(f"kimi: init_process_group must run before {method}")
+        if plan["role"] not in roles:
+            raise WeightSyncError(f"kimi: a {plan['role']} process cannot {method}")
+        return plan
+
+    def _allocate(self) -> torch.Tensor:
+        buffer = allocate_bucket(self.bucket_size, torch.device("cpu"))
+        return buffer.pin_memory() if self._pinned else buffer
+
+    def _register(self, buffer: torch.Tensor) -> torch.Tensor:
+        self.transport.register(buffer)
+        return buffer
+
+    def _new_cache_buffer(self) -> torch.Tensor:
+        """One more registered share buffer (the packer appends it to ``_cache_buffers``)."""
+        buffer = self._allocate()
+        self._cache_descriptors.append(self.transport.register(buffer))
+        return buffer
+
+    def _release_slots(self) -> None:
+        slots, self._slots = self._slots, []
+        for slot in slots:
+            with contextlib.suppress(Exception):
+                self.transport.deregister(slot)
+
+    async def _collect_shares(self, plan: dict[str, Any]) -> list[ShareManifest]:
+        """Wait for every actor rank's share of this sync."""
+        owners = len(plan["owners"])
+        shares: dict[int, ShareManifest] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while len(shares) < owners:
+            try:
+                message = await self._channel.receive(max(deadline - loop.time(), 0.0))
+            except TimeoutError as exc:
+                missing = sorted(set(range(owners)) - set(shares))
+                error = TransferError(
+                    f"kimi replica leader waited {self.timeout:.0f}s for the shares of actor "
+                    f"rank(s) {missing}", peer=f"actor rank {missing[0]}",
+                    stage="waiting for shares",
+                )
+                await self._abort_members(str(error))
+                raise error from exc
+            if message.get("sync") == plan["sync_id"] and message.get("kind") == "share":
+                share = message["share"]
+                shares[share.owner] = share
+        return [shares[rank] for rank in range(owners)]
+
+    async def _pull(
+        self, share: ShareManifest, meta: BucketMeta, remote: RemoteBuffer, slot: torch.Tensor
+    ) -> torch.Tensor:
+        """Read one bucket of ``share`` into ``slot``; returns its used bytes."""
+        data = slot[: meta.nbytes]
+        peer = self.transport.connect(share.peer)
+        stage = f"pulling bucket {meta.index} of actor rank {share.owner}"
+        try:
+            await asyncio.wait_for(
+                run_blocking(self.transport.read, peer, data, remote, self.timeout),
+                self.timeout + 5,
+            )
+        except TimeoutError as exc:
+            raise TransferError(
+                f"kimi replica leader: {stage} took over {self.timeout:.0f}s",
+                peer=f"actor rank {share.owner}", stage=stage,
+            ) from exc
+        except TransferError as exc:
+            raise TransferError(
+                f"kimi replica leader: {stage} ({share.peer}) failed: {exc}",
+                peer=f"actor rank {share.owner}", stage=stage, code=exc.code,
+            ) from exc
+        return data
+
+    async def _pull_and_relay(
+        self, shares: list[ShareManifest], global_steps: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Pull every bucket (owners interleaved) into two alternating slots; relay each to
+        the replica while yielding copies of its tensors to this worker's server."""
+        relay = self._inner if self._plan["inner"] is not None else None
+        order = [
+            (share, *bucket) for index in range(max(len(s.buckets) for s in shares))
+            for share in shares if index < len(share.buckets)
+            for bucket in [share.buckets[index]]
+        ]
+        manifest = [entry for share in shares for entry in share.tensors]
+        verifier = DeliveryVerifier(bucket_checksum)
+        unpacker = BucketUnpacker(copy=True)
+        relays: deque[asyncio.Task] = deque()
+        pending: asyncio.Task | None = None
+        try:
+            if order:
+                pending = asyncio.ensure_future(self._pull(*order[0], self._slots[0]))
+            for k, (share, meta, _) in enumerate(order):
+                data = await pending
+                pending = None
+                # the next pull reuses the slot of bucket k-1: its relay must be done
+                while relays:
+                    await relays.popleft()
+                if k + 1 < len(order):
+                    pending = asyncio.ensure_future(
+                        self._pull(*order[k + 1], self._slots[(k + 1) % 2])
+                    )
+                if self.verify:
+                    verifier.check_bucket(data, meta, source=f"actor rank {share.owner}")
+                if relay is not None:
+                    relays.append(asyncio.ensure_future(
+                        relay.relay_bucket(meta, data.to(relay.device))
+                    ))
+                for item in unpacker.unpack(data, meta):
+                    verifier.record(*item)
+                    yield item
+            while relays:
+                await relays.popleft()
+            verifier.finish(manifest, incomplete=unpacker.incomplete())
+            if relay is not None:
+                await relay.relay_final(manifest, global_steps)
+        except BaseException as exc:
+            for task in [*relays, *([pending] if pending else [])]:
+                task.cancel()
+            await self._abort_members(f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def _abort_members(self, reason: str) -> None:
+        """Tell this replica's other workers the sync is off (best effort)."""
+        if self._plan is not None and self._plan["inner"] is not None:
+            await self._inner.relay_abort(f"the replica leader stopped: {reason}")

@@ -1,0 +1,50 @@
+"""The core conformance suite for ``kimi``: 2 actor ranks (both serving their share), replicas
+of 1 and 2 workers, Mooncake over TCP and gloo inside a replica, real Ray actors."""
+
+import ray
+
+from weightsync_core.testing import CheckpointEngineConformanceTests
+from weightsync_core.testing.harness import SyncHarness
+
+
+class TestKimiConformance(CheckpointEngineConformanceTests):
+    backend = "kimi"
+    engine_kwargs = {"protocol": "tcp", "collective": "gloo"}  # noqa: RUF012
+    actor_world_size = 2
+    replica_sizes = (1, 2)
+
+    def test_every_actor_rank_serves_a_share(self, harness: SyncHarness) -> None:
+        expected = harness.set_weights(seed=30)
+        harness.manager().update_weights_sync(global_steps=30)
+        self.assert_delivered(harness, expected)
+        shares = [
+            ray.get(actor.execute_checkpoint_engine.remote("prepare"))["cache"]
+            for actor in harness.actors
+        ]
+        assert [share.owner for share in shares] == [0, 1]
+        assert all(share.buckets and share.global_steps == 30 for share in shares)
+        names = [name for share in shares for name, _, _ in share.tensors]
+        assert sorted(names) == sorted(expected)  # disjoint shares covering every tensor
+
+    def test_replica_added_after_an_update_loads_the_cache_without_sending(
+        self, harness: SyncHarness
+    ) -> None:
+        manager = harness.manager()
+        expected = harness.set_weights(seed=31)
+        manager.update_weights_sync(global_steps=31)
+        streams = [ray.get(a.report.remote())["weight_streams"] for a in harness.actors]
+
+        late = harness.new_replica(2, name="late")
+        try:
+            manager.add_replicas([late])
+            metrics = manager.update_replicas_from_cache_sync([late], global_steps=31)
+            self.assert_delivered(harness, expected, [late])
+            assert metrics["weightsync/tensors"] == len(expected)
+            # the actor ranks never iterated their weights again: nothing was sent
+            assert [ray.get(a.report.remote())["weight_streams"] for a in harness.actors] \
+                == streams
+            assert all(r["global_steps"] == [31] for r in harness.reports([late]))
+        finally:
+            manager.remove_replicas([late])
+            for worker in late.workers:
+                ray.kill(worker)
