@@ -81,3 +81,26 @@ def test_engine_build_topology_validates_sizes():
 def test_engine_options_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GlooCheckpointEngine(1 << 20, **kwargs)
+
+
+def test_ring_topology_chains_actor_rank_0_through_every_rollout_worker():
+    from weightsync_core.topology import ring_topology
+
+    metadata = [{"endpoint": f"tcp://h:{i}"} for i in range(2 + 3)]
+    actors, rollout = ring_topology(2, 3, metadata)
+    assert actors["position"] == [0, -1]
+    assert actors["downstream"] == ["tcp://h:2", None]
+    assert rollout["position"] == [1, 2, 3]
+    assert rollout["upstream"] == ["tcp://h:0", "tcp://h:2", "tcp://h:3"]
+    assert rollout["downstream"] == ["tcp://h:3", "tcp://h:4", None]
+    assert rollout["upstream_name"] == ["actor rank 0", "rollout rank 0", "rollout rank 1"]
+    assert len(set(actors["sync_id"] + rollout["sync_id"])) == 1
+
+
+def test_ring_topology_needs_both_sides():
+    import pytest
+
+    from weightsync_core.topology import ring_topology
+
+    with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
+        ring_topology(1, 0, [{"endpoint": "tcp://h:1"}])

@@ -53,6 +53,26 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from weightsync_core.compare_benchmark import comparison_table, run_comparison
+
+    kwargs = {}
+    for option in args.kwargs:
+        name, _, value = option.partition("=")
+        kwargs[name] = json.loads(value)
+    replicas = tuple(int(size) for size in args.replicas.split(","))
+    rows = run_comparison(
+        [(name, kwargs.get(name, {})) for name in args.backends], args.actors, replicas,
+        args.size_mb, args.bucket_mb, args.tensors, args.repeats, not args.no_verify,
+    )
+    print(comparison_table(rows, args.actors, replicas))
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            json.dump([row.as_dict() for row in rows], handle, indent=2)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``weightsync``."""
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
@@ -84,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
     bench.set_defaults(run=_bench)
+    compare = commands.add_parser(
+        "compare", help="several backends on the same deployment and bytes, in one run"
+    )
+    compare.add_argument("backends", nargs="+", help="backend names, e.g. kimi mooncake gloo")
+    compare.add_argument("--actors", type=int, default=2, help="actor_wg ranks")
+    compare.add_argument("--replicas", default="2,2", help="workers per replica, e.g. 2,2")
+    compare.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
+    compare.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
+    compare.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
+    compare.add_argument("--repeats", type=int, default=3, help="timed syncs (median)")
+    compare.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
+    compare.add_argument("--kwargs", action="append", default=[], metavar="BACKEND=JSON",
+                         help="engine keyword arguments of one backend (repeatable)")
+    compare.add_argument("--json-out", help="also write the rows as JSON to this file")
+    compare.set_defaults(run=_compare)
     return parser
 
 
