@@ -24,6 +24,7 @@ __all__ = [
     "find_free_port",
     "new_gloo_group",
     "rendezvous",
+    "reserve_port",
 ]
 
 HOST_ENV = "WEIGHTSYNC_HOST"
@@ -48,9 +49,21 @@ def default_host() -> str:
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    with reserve_port(host) as sock:
         return sock.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound (not listening) to a free port of ``host``: while it stays open, no
+    other bind takes that port. Close it right before binding the port for real."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def create_store(

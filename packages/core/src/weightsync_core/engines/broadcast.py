@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import enum
 import pickle
+import socket
 import time
 import uuid
 from collections import deque
@@ -47,9 +48,9 @@ from weightsync_core.errors import SenderAbortedError, TransferError, WeightSync
 from weightsync_core.process_group import (
     create_store,
     default_host,
-    find_free_port,
     new_gloo_group,
     rendezvous,
+    reserve_port,
 )
 from weightsync_core.topology import broadcast_topology
 from weightsync_core.verification import DeliveryVerifier, Manifest, bucket_checksum
@@ -151,6 +152,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self.world_size = 0
         self._group: _Group | None = None
         self._group_key: dict[str, Any] | None = None
+        self._reserved_port: socket.socket | None = None
         self._healthy = True
         self._send_buffers: list[torch.Tensor] = []
         self.device = self._current_device()
@@ -188,9 +190,12 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
 
     def prepare(self) -> dict[str, Any]:
         host = self._own_host()
+        # held until init_process_group, so that nothing else takes the port meanwhile
+        self._release_reserved_port()
+        self._reserved_port = reserve_port(host)
         return {
             "host": host,
-            "port": find_free_port(host),
+            "port": self._reserved_port.getsockname()[1],
             "member": self.member_id,
             "group": self._group_key,
             "senders": self.senders,
@@ -209,6 +214,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         master_metadata: dict[str, Any] | None,
         members: list[str] | None = None,
     ) -> None:
+        self._release_reserved_port()  # rank 0's store binds it now
         if rank >= 0 and master_metadata and master_metadata.get("reuse"):
             if self._group is None or self._group_key != {
                 "port": master_metadata["port"], "members": members
@@ -368,6 +374,11 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
         self._destroy_group()
         self._release_buffers()
+
+    def _release_reserved_port(self) -> None:
+        reserved, self._reserved_port = self._reserved_port, None
+        if reserved is not None:
+            reserved.close()
 
     def _release_buffers(self) -> None:
         if not self.keep_buffers:
