@@ -385,6 +385,10 @@ class RingCheckpointEngine(CheckpointEngine):
             session.spawn(self._free_slot(session, slot, viewed.pop(slot)))
 
         try:
+            # a server may still hold views from the last sync: those slots get new buffers
+            for index, buffer in enumerate(self._buffers):
+                if storage_refs(buffer) != self._baselines[index]:
+                    await run_blocking(self._replace_buffer, index)
             hello = {"kind": "hello", "peer": self.transport.metadata(),
                      "slots": list(self._descriptors)}
             await session.send(placement.upstream, upstream, hello)

@@ -33,8 +33,8 @@ class RecordingServerAdapter:
 
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
     forever (simulating a crashed or hung inference server). ``keep``: hold on to every
-    received tensor and digest them only after the whole update (a server that keeps the
-    engine's tensors must never see them overwritten by later buckets).
+    received tensor, across updates, like a server that adopts the engine's tensors as its
+    parameters; :meth:`changed_kept_tensors` tells which of them were overwritten since.
     """
 
     def __init__(self) -> None:
@@ -45,24 +45,27 @@ class RecordingServerAdapter:
         self.stall_after: int | None = None
         self.discard = False
         self.keep = False
+        self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest]] = {}
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
         received: dict[str, TensorDigest] = {}
-        kept: dict[str, torch.Tensor] = {}
         async for name, tensor in weights:
             if self.die_after is not None and len(received) >= self.die_after:
                 os._exit(1)
             if self.stall_after is not None and len(received) >= self.stall_after:
                 await asyncio.sleep(3600)
-            if self.keep:
-                kept[name] = tensor
             received[name] = None if self.discard else digest(tensor)
-        if self.keep:
-            received = {name: digest(tensor) for name, tensor in kept.items()}
+            if self.keep:
+                self.kept[(global_steps, name)] = (tensor, received[name])
         self.received = received
         self.global_steps.append(global_steps)
+
+    def changed_kept_tensors(self) -> list[str]:
+        """``"<global_steps>/<name>"`` of kept tensors whose bytes changed after arrival."""
+        return [f"{steps}/{name}" for (steps, name), (tensor, seen) in self.kept.items()
+                if digest(tensor) != seen]
 
     async def abort_all_requests(self) -> None:
         self.lifecycle.append("abort_all_requests")
@@ -93,6 +96,8 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         self.server_adapter.stall_after = stall_after
         self.server_adapter.discard = discard
         self.server_adapter.keep = keep
+        if not keep:
+            self.server_adapter.kept.clear()
 
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""
@@ -101,6 +106,7 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
             "received": adapter.received,
             "global_steps": adapter.global_steps,
             "lifecycle": adapter.lifecycle,
+            "changed_kept_tensors": adapter.changed_kept_tensors(),
             "engine_class": type(self.checkpoint_engine).__module__ + "."
             + type(self.checkpoint_engine).__qualname__,
             "pid": os.getpid(),

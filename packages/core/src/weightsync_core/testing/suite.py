@@ -183,6 +183,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 expected = harness.set_weights(seed=step)
                 harness.manager().update_weights_sync(global_steps=step)
                 self.assert_delivered(harness, expected)
+            # neither later buckets nor the next sync overwrote what the servers kept
+            assert [r["changed_kept_tensors"] for r in harness.reports()] == [[]] * len(workers)
         finally:
             ray.get([worker.set_faults.remote() for worker in workers])
 
