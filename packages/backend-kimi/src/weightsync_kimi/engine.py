@@ -32,7 +32,7 @@ from weightsync_core.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
-from weightsync_core.channel import ControlChannel
+from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket
 from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
 from weightsync_core.errors import TransferError, WeightSyncError
@@ -92,8 +92,9 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             bucket_size, verify=self.verify, timeout=self.timeout, host=host,
             **(collective_kwargs or {}),
         )
-        self._channel: ControlChannel | None = None
-        self._transport: MooncakeTransport | None = None
+        self._endpoints = PeerEndpoints(
+            host, lambda: MooncakeTransport(host or default_host(), protocol, device_name)
+        )
         self._plan: dict[str, Any] | None = None
         self._pinned = torch.cuda.is_available()
         self._cache: ShareManifest | None = None
@@ -105,17 +106,16 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     @property
     def transport(self) -> MooncakeTransport:
         """This process's Transfer Engine (created on first use)."""
-        if self._transport is None:
-            self._transport = MooncakeTransport(
-                self.host or default_host(), self.protocol, self.device_name
-            )
-        return self._transport
+        return self._endpoints.transport
+
+    @property
+    def channel(self) -> ControlChannel:
+        """This process's control channel (bound on first use)."""
+        return self._endpoints.channel
 
     def prepare(self) -> dict[str, Any]:
-        if self._channel is None:
-            self._channel = ControlChannel(self.host or default_host())
         return {
-            "endpoint": self._channel.endpoint,
+            "endpoint": self.channel.endpoint,
             "peer": self.transport.metadata(),
             "cache": self._cache,
             "collective": self.collective,
@@ -177,7 +177,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         for leader in plan["leaders"]:
             message = {"kind": "share", "sync": plan["sync_id"], "share": share}
             try:
-                await self._channel.send(leader, message, self.timeout)
+                await self.channel.send(leader, message, self.timeout)
             except TimeoutError as exc:
                 raise TransferError(
                     f"kimi actor rank {rank} could not reach a replica leader at {leader} "
@@ -248,12 +248,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             with contextlib.suppress(Exception):
                 self.transport.deregister(buffer)
         self._cache_buffers, self._cache_descriptors = [], []
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self._endpoints.close()
 
     # -- internals -----------------------------------------------------------------------
     def _require(self, roles: str | tuple[str, ...], method: str) -> dict[str, Any]:
@@ -293,7 +288,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         deadline = loop.time() + self.timeout
         while len(shares) < owners:
             try:
-                message = await self._channel.receive(max(deadline - loop.time(), 0.0))
+                message = await self.channel.receive(max(deadline - loop.time(), 0.0))
             except TimeoutError as exc:
                 missing = sorted(set(range(owners)) - set(shares))
                 error = TransferError(

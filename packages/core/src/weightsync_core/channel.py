@@ -12,14 +12,17 @@ trust model as ``torch.distributed`` object collectives); bind to a cluster-inte
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from weightsync_core.errors import WeightSyncError
+from weightsync_core.process_group import default_host
+from weightsync_core.transport import PeerTransport
 
-__all__ = ["ControlChannel", "zmq_endpoint"]
+__all__ = ["ControlChannel", "PeerEndpoints", "zmq_endpoint"]
 
 
 def zmq_endpoint(host: str, port: int | None = None) -> str:
@@ -74,3 +77,47 @@ class ControlChannel:
         self.keep_only(set())
         self._inbox.close(linger=0)
         self._context.term()
+
+
+class PeerEndpoints:
+    """One process's control channel and transport endpoint, each created on first use and
+    kept across syncs (peer-to-peer engines hold one).
+
+    Args:
+        host: address of this process (``None``: :func:`default_host` at first use).
+        create_transport: builds the transport endpoint.
+    """
+
+    def __init__(self, host: str | None, create_transport: Callable[[], PeerTransport]) -> None:
+        self._host = host
+        self._create_transport = create_transport
+        self._channel: ControlChannel | None = None
+        self._transport: PeerTransport | None = None
+
+    @property
+    def channel(self) -> ControlChannel:
+        """The control channel (bound on first use)."""
+        if self._channel is None:
+            self._channel = ControlChannel(self._host or default_host())
+        return self._channel
+
+    @property
+    def transport(self) -> PeerTransport:
+        """The transport endpoint (created on first use)."""
+        if self._transport is None:
+            self._transport = self._create_transport()
+        return self._transport
+
+    @property
+    def has_transport(self) -> bool:
+        """Whether the transport was created."""
+        return self._transport is not None
+
+    def close(self) -> None:
+        """Release both (they are created again if used again)."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

@@ -39,8 +39,14 @@ def _bench(args: argparse.Namespace) -> int:
             receivers=args.receivers or 2, bucket_megabytes=args.bucket_mb or 256, **common
         )
     else:
+        from weightsync_core.engines.ring import RingCheckpointEngine
         from weightsync_core.ring_benchmark import run_ring_benchmark
 
+        if not issubclass(CheckpointEngineRegistry.get(args.backend), RingCheckpointEngine):
+            print(f"weightsync bench: {args.backend!r} is neither gloo nor a ring backend "
+                  "(nixl, mooncake); compare it with others: weightsync compare "
+                  f"{args.backend} gloo", file=sys.stderr)
+            return 2
         result = run_ring_benchmark(
             args.backend, json.loads(args.engine_kwargs), receivers=args.receivers or 3,
             bucket_megabytes=args.bucket_mb or 64, **common,

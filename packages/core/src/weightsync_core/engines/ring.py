@@ -39,10 +39,9 @@ from weightsync_core.bucketing import (
     iter_named_tensors,
     storage_refs,
 )
-from weightsync_core.channel import ControlChannel
+from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
-from weightsync_core.process_group import default_host
 from weightsync_core.topology import ring_topology
 from weightsync_core.transport import PeerTransport, RemoteBuffer
 from weightsync_core.verification import DeliveryVerifier, bucket_checksum
@@ -246,8 +245,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self.host = host
         self.slots = slots
         self.keep_buffers = keep_buffers
-        self._channel: ControlChannel | None = None
-        self._transport: PeerTransport | None = None
+        self._endpoints = PeerEndpoints(host, self._create_transport)
         self._placement: _Placement | None = None
         self._buffers: list[torch.Tensor] = []
         self._descriptors: list[RemoteBuffer] = []
@@ -262,17 +260,13 @@ class RingCheckpointEngine(CheckpointEngine):
     # -- shared state --------------------------------------------------------------------
     @property
     def channel(self) -> ControlChannel:
-        """This process's control channel (bound at the first :meth:`prepare`)."""
-        if self._channel is None:
-            raise WeightSyncError(f"{type(self).__name__}: prepare() must run first")
-        return self._channel
+        """This process's control channel (bound on first use)."""
+        return self._endpoints.channel
 
     @property
     def transport(self) -> PeerTransport:
         """This process's transport endpoint (created on first use)."""
-        if self._transport is None:
-            self._transport = self._create_transport()
-        return self._transport
+        return self._endpoints.transport
 
     def describe(self, placement: _Placement | None = None) -> str:
         """``"<Engine> on actor rank 0"`` / ``"... on rollout rank 2"``, for messages."""
@@ -291,9 +285,7 @@ class RingCheckpointEngine(CheckpointEngine):
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        if self._channel is None:
-            self._channel = ControlChannel(self.host or default_host())
-        return {"endpoint": self._channel.endpoint}
+        return {"endpoint": self.channel.endpoint}
 
     @classmethod
     def build_topology(
@@ -461,20 +453,14 @@ class RingCheckpointEngine(CheckpointEngine):
         self._placement = None
         for endpoint in list(self._peers):
             self._disconnect(endpoint)
-        if self._channel is not None:
-            self._channel.keep_only(set())
+        self.channel.keep_only(set())
         self._release_buffers()
 
     def close(self) -> None:
         """Release everything, the transport and the channel included (the engine can be
         used again: both are re-created on the next sync)."""
         self.abort()
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        self._endpoints.close()
 
     # -- internals -----------------------------------------------------------------------
     def _require_placement(self, *, sender: bool) -> _Placement:
@@ -564,9 +550,9 @@ class RingCheckpointEngine(CheckpointEngine):
 
     def _disconnect(self, endpoint: str) -> None:
         peer = self._peers.pop(endpoint)
-        if self._transport is not None:
+        if self._endpoints.has_transport:
             with contextlib.suppress(Exception):
-                self._transport.disconnect(peer)
+                self.transport.disconnect(peer)
 
     def _replace_buffer(self, slot: int) -> RemoteBuffer:
         """Give ``slot`` a newly allocated, registered buffer (the old one is deregistered
