@@ -2,7 +2,7 @@
 
 import pytest
 
-from weightsync_trainer import ConfigError, load_config
+from weightsync_trainer import ConfigError, ExperimentConfig, load_config
 from weightsync_trainer.cli import main
 from weightsync_trainer.config_loader import config_to_dict, default_config_dict
 
@@ -13,6 +13,10 @@ def test_defaults_build_and_match_the_packaged_yaml():
     assert config.rollout.checkpoint_engine.backend == "gloo"
     assert config.rollout.checkpoint_manager_class is None
     assert config_to_dict(config)["actor"] == default_config_dict()["actor"]
+
+
+def test_dataclass_defaults_equal_the_yaml_defaults():
+    assert config_to_dict(ExperimentConfig()) == config_to_dict(load_config())
 
 
 def test_dotted_overrides_reach_nested_dataclasses():

@@ -9,7 +9,6 @@ import os
 import pytest
 import ray
 import torch
-from trainer_test_helpers import SMALL
 from trainer_test_plugins.managers import RecordingCheckpointEngineManager
 from trainer_test_plugins.serving import RecordingLoadBalancer, RoundRobinClient, TaggedReplica
 
@@ -27,7 +26,6 @@ STEPS = 3
 ACTOR_CONTEXT = {"run": {"tags": ["a", "b"], "depth": {"level": 2}}, "scale": torch.arange(4.0)}
 CRITIC_CONTEXT = {"baseline": torch.tensor([[1.5, -2.0]]), "nested": {"k": [1, {"x": None}]}}
 OVERRIDES = [
-    *SMALL,
     "algorithm.name=ppo",
     "actor.world_size=1",
     "critic.world_size=1",

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from weightsync_core import PluginError, WeightSyncError
+from weightsync_core import PluginError, WeightSyncError, run_sync
 from weightsync_trainer.config import ExperimentConfig
 from weightsync_trainer.config_loader import config_to_dict, load_config
 from weightsync_trainer.errors import ConfigError
@@ -69,7 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     runner = TaskRunner(config)
     total = config.trainer.total_steps
     try:
+        # loads the custom backend module and manager class: bad names fail before Ray starts
+        runner.trainer = runner.build_trainer()
         _start_ray(config)
+        print("starting workers and syncing the initial weights...", flush=True)
+        started = time.perf_counter()
+        run_sync(runner.trainer.init_workers())
+        print(f"workers ready in {time.perf_counter() - started:.1f} s", flush=True)
         with tqdm(total=total, desc="training", unit="step", dynamic_ncols=True) as bar:
 
             def on_step(row: dict[str, float]) -> None:
@@ -78,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 sync_ms=f"{row['weightsync/seconds/total'] * 1e3:.0f}")
                 bar.update(1)
 
-            rows = runner.run(on_step)
+            rows = runner.trainer.run(on_step)
         output.mkdir(parents=True, exist_ok=True)
         write_jsonl(output / "metrics.jsonl", rows)
         plot_metrics(output / "metrics.png", rows,

@@ -186,7 +186,9 @@ class RolloutConfig:
     temperature: float = 1.0
     checkpoint_manager_class: str | None = None
     checkpoint_engine: CheckpointEngineConfig = field(
-        default_factory=lambda: CheckpointEngineConfig(backend="gloo")
+        default_factory=lambda: CheckpointEngineConfig(
+            backend="gloo", update_weights_bucket_megabytes=16, sync_timeout_seconds=120.0
+        )
     )
 
     def __post_init__(self) -> None:

@@ -140,7 +140,7 @@ class LLMServerClient:
         server = self.servers.get(server_id)
         if server is None:
             await self._load_balancer.release.remote(server_id)
-            raise NoLoadBalancerError(
+            raise RuntimeError(
                 f"the load balancer chose server {server_id!r}, which this client does not "
                 f"know (known: {sorted(self.servers)}); pass servers= with every replica"
             )
@@ -196,6 +196,12 @@ class LLMServerManager:
             ]
         balancer = ray.remote(num_cpus=0)(self.load_balancer_cls)
         self.load_balancer = balancer.remote([replica.name for replica in self.replicas])
+
+    async def wait_ready(self) -> None:
+        """Return once every replica worker has finished starting (model built, engine
+        created), so that the first weight sync's deadline does not include start-up."""
+        await asyncio.gather(*(worker.__ray_ready__.remote()
+                               for replica in self.replicas for worker in replica.workers))
 
     def get_client(self, client_cls: type[LLMServerClient] | None = None,
                    **kwargs: Any) -> LLMServerClient:

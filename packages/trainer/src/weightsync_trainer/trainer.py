@@ -104,6 +104,7 @@ class RayPPOTrainer:
             self.config, actor_wg=self.actor_wg, actor_options=self.actor_options
         )
         await asyncio.gather(*(group.init_model() for group in groups))
+        await self.server_manager.wait_ready()
         self.client = self.server_manager.get_client(self.client_cls)
         self.checkpoint_manager = self.checkpoint_manager_cls(
             config=self.config.rollout.checkpoint_engine,

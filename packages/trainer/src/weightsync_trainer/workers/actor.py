@@ -27,6 +27,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
     """
 
     role = "actor"
+    model_type = "causal_lm"
 
     def build_model(self) -> torch.nn.Module:
         return build_policy_model(self.config.model)

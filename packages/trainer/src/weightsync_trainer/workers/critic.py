@@ -15,6 +15,7 @@ class CriticWorker(TrainingWorker):
     """Values ``V(s_t)`` of the state before each response token, and their update."""
 
     role = "critic"
+    model_type = "value_model"
 
     def build_model(self) -> torch.nn.Module:
         return build_value_model(self.config.model)

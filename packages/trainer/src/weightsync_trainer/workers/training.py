@@ -57,8 +57,14 @@ class TrainingWorker:
     """
 
     role = "training"
+    model_type = ""
 
     def __init__(self, config: TrainingWorkerConfig, rank: int) -> None:
+        if config.model_type != self.model_type:
+            raise ValueError(
+                f"{type(self).__name__} trains a {self.model_type!r} model, but its "
+                f"TrainingWorkerConfig has model_type={config.model_type!r}"
+            )
         torch.set_num_threads(config.torch_threads)
         load_custom_backend_module(config.checkpoint_engine.custom_backend_module)
         self.config = config
