@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
+from weightsync_core.blocking import run_blocking
+
+T = TypeVar("T")
+
 __all__ = [
     "ALIGNMENT",
+    "OFFLOAD_BYTES",
     "BucketMeta",
     "BucketPacker",
     "BucketUnpacker",
@@ -30,6 +36,10 @@ __all__ = [
 
 ALIGNMENT = 256
 """Byte alignment of every tensor (and chunk) inside a bucket."""
+
+OFFLOAD_BYTES = 1 << 20
+"""Copies and checksums at least this large run on a worker thread, so the event loop can
+drive transfers of earlier buckets meanwhile (smaller ones are not worth the hop)."""
 
 WeightsSource = (
     Iterable[tuple[str, torch.Tensor]]
@@ -216,28 +226,32 @@ class BucketPacker:
                 and data.device == self.buffers[0].device
             )
             if offset > 0 and (direct or total > self.bucket_size - offset):
-                yield self._flush(metas, end)
+                yield await self._flush(metas, end)
                 metas, offset, end = [], 0, 0
             if direct:
                 for start in range(0, total, self.bucket_size):
                     piece = min(self.bucket_size, total - start)
                     meta = TensorMeta(name, shape, tensor.dtype, 0, piece, total, start)
-                    yield self._bucket(data[start : start + piece], [meta], piece, direct=True)
+                    yield await self._bucket(
+                        data[start : start + piece], [meta], piece, direct=True
+                    )
                 continue
             position = 0
             while True:
                 piece = min(total - position, self.bucket_size - offset)
                 buffer = self._buffer(self._packed)
-                buffer[offset : offset + piece].copy_(data[position : position + piece])
+                await _offloaded(
+                    piece, buffer[offset : offset + piece].copy_, data[position : position + piece]
+                )
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
                 offset = _align(end)
                 position += piece
                 if position >= total:
                     break
-                yield self._flush(metas, end)
+                yield await self._flush(metas, end)
                 metas, offset, end = [], 0, 0
-        yield self._flush(metas, end)
+        yield await self._flush(metas, end)
 
     def _buffer(self, index: int) -> torch.Tensor:
         if self.grow is None:
@@ -246,20 +260,27 @@ class BucketPacker:
             self.buffers.append(self.grow())
         return self.buffers[index]
 
-    def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
+    async def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
         buffer = self._buffer(self._packed)
         self._packed += 1
-        return self._bucket(buffer, metas, nbytes)
+        return await self._bucket(buffer, metas, nbytes)
 
-    def _bucket(
+    async def _bucket(
         self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int, direct: bool = False
     ) -> PackedBucket:
         meta = BucketMeta(self.num_buckets, nbytes, metas)
         if self.checksum is not None:
-            meta.checksum = self.checksum(buffer[:nbytes])
+            meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
         self.num_buckets += 1
         self.nbytes += nbytes
         return PackedBucket(buffer, meta, direct)
+
+
+async def _offloaded(nbytes: int, function: Callable[..., T], *args: object) -> T:
+    """``function(*args)``, on a worker thread when it touches ``OFFLOAD_BYTES`` or more."""
+    if nbytes >= OFFLOAD_BYTES:
+        return await run_blocking(function, *args)
+    return function(*args)
 
 
 @dataclass

@@ -418,7 +418,8 @@ class RingCheckpointEngine(CheckpointEngine):
                 if placement.downstream is not None:
                     forward = session.spawn(self._forward(session, data, meta, forward))
                 if self.verify:
-                    verifier.check_bucket(data, meta, source=upstream)
+                    # on a worker thread: the loop keeps forwarding and crediting meanwhile
+                    await run_blocking(verifier.check_bucket, data, meta, source=upstream)
                 yielded = False
                 for item in unpacker.unpack(data, meta):
                     verifier.record(*item)
