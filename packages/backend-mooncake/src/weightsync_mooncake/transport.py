@@ -7,7 +7,6 @@ use.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Hashable
 
@@ -15,10 +14,6 @@ import torch
 
 from weightsync_core.errors import TransferError, WeightSyncError
 from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
-
-# Mooncake logs every connection at INFO through glog, which reads this when it loads:
-# keep warnings and errors unless the user chose a level.
-os.environ.setdefault("GLOG_minloglevel", "1")
 
 try:
     from mooncake.engine import TransferEngine
