@@ -333,10 +333,10 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         """Pull every bucket (owners interleaved) into two alternating slots; relay each to
         the replica while yielding copies of its tensors to this worker's server."""
         relay = self._inner if self._plan["inner"] is not None else None
-        order = [
-            (share, *bucket) for index in range(max(len(s.buckets) for s in shares))
+        order = [  # owners interleaved: bucket 0 of every owner, then bucket 1, ...
+            (share, *share.buckets[index])
+            for index in range(max(len(share.buckets) for share in shares))
             for share in shares if index < len(share.buckets)
-            for bucket in [share.buckets[index]]
         ]
         manifest = [entry for share in shares for entry in share.tensors]
         verifier = DeliveryVerifier(bucket_checksum)

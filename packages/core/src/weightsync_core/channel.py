@@ -113,6 +113,11 @@ class PeerEndpoints:
         """Whether the transport was created."""
         return self._transport is not None
 
+    def close_outboxes(self) -> None:
+        """Close the sockets to every peer (a no-op before the channel exists)."""
+        if self._channel is not None:
+            self._channel.keep_only(set())
+
     def close(self) -> None:
         """Release both (they are created again if used again)."""
         if self._transport is not None:

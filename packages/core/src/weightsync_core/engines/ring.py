@@ -329,7 +329,7 @@ class RingCheckpointEngine(CheckpointEngine):
             return TransferStats(seconds=time.perf_counter() - start)
         session = _Session(self, placement)
         packer = BucketPacker(
-            self._buffers, self.rollout_dtype, bucket_checksum if self.verify else None, None
+            self._buffers, self.rollout_dtype, bucket_checksum if self.verify else None
         )
         try:
             previous: asyncio.Task | None = None
@@ -454,7 +454,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self._placement = None
         for endpoint in list(self._peers):
             self._disconnect(endpoint)
-        self.channel.keep_only(set())
+        self._endpoints.close_outboxes()
         self._release_buffers()
 
     def close(self) -> None:
@@ -544,10 +544,7 @@ class RingCheckpointEngine(CheckpointEngine):
         )
         message = {"kind": "abort", "reason": reason, "sync": placement.sync_id}
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(
-                self.channel.send(placement.downstream, message, _ABORT_NOTICE_SECONDS),
-                _ABORT_NOTICE_SECONDS,
-            )
+            await self.channel.send(placement.downstream, message, _ABORT_NOTICE_SECONDS)
 
     def _disconnect(self, endpoint: str) -> None:
         peer = self._peers.pop(endpoint)

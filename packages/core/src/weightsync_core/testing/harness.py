@@ -2,48 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import ray
-from ray._private import ray_constants
 
 from weightsync_core.config import CheckpointEngineConfig, parse_dtype
+from weightsync_core.local_ray import ensure_ray
 from weightsync_core.manager import CheckpointEngineManager
 from weightsync_core.plugins import load_custom_backend_module
-from weightsync_core.process_group import HOST_ENV
 from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
 from weightsync_core.testing.weights import Faults, TensorDigest, digests, make_weights
 
 __all__ = ["SyncHarness", "ensure_ray"]
-
-_UV_HOOK_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
-
-
-def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> None:
-    """Start a local Ray instance on loopback (once per process).
-
-    Workers get ``WEIGHTSYNC_HOST=127.0.0.1`` so every transfer stays on this machine, plus
-    ``env_vars``. Ray's uv run-time hook is disabled so workers start from the current venv.
-    """
-    if ray.is_initialized():
-        return
-    if os.environ.setdefault(_UV_HOOK_ENV, "0") == "0":
-        # Ray reads this at import time; the suite may be imported after ray already was.
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    worker_env = {HOST_ENV: "127.0.0.1", _UV_HOOK_ENV: "0", **(env_vars or {})}
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": worker_env},
-        logging_level="WARNING",
-    )
-
 
 class SyncHarness:
     """``actor_world_size`` weight-source ranks and replicas of the given sizes, for one backend.
