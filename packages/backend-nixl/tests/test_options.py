@@ -1,10 +1,15 @@
 """Registration and option validation (a real NIXL agent where one is needed)."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from weightsync_core import CheckpointEngineRegistry, WeightSyncError
 from weightsync_nixl import NixlCheckpointEngine, NixlTransport
+from weightsync_nixl.transport import host_has_efa, ucx_module_defaults
 
 
 def test_registered_through_the_entry_point():
@@ -47,3 +52,40 @@ def test_write_and_read_between_two_agents_move_real_bytes():
     finally:
         first.close()
         second.close()
+
+
+def test_a_process_that_used_an_agent_exits_cleanly():
+    """With rdma-core installed on the host (CI installs it for Mooncake), UCX's efa module
+    pulled in a second libnl and the process died with SIGSEGV at exit."""
+    script = textwrap.dedent("""
+        import torch
+        from weightsync_nixl import NixlTransport
+        first, second = NixlTransport(), NixlTransport()
+        source = torch.ones(4096, dtype=torch.uint8)
+        target = torch.zeros_like(source)
+        first.register(source)
+        remote = second.register(target)
+        first.write(first.connect(second.metadata()), source, remote, timeout=30)
+        assert torch.equal(source, target)
+        first.close()
+        second.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+
+
+def test_efa_module_is_left_out_only_without_efa_devices(tmp_path, monkeypatch):
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    for name, driver in (("mlx5_0", "mlx5_core"), ("rdmap0", "efa")):
+        (tmp_path / "drivers" / driver).mkdir(parents=True)
+        (tmp_path / "class" / name / "device").mkdir(parents=True)
+        (tmp_path / "class" / name / "device" / "driver").symlink_to(tmp_path / "drivers" / driver)
+    assert host_has_efa(tmp_path / "class")
+    (tmp_path / "class" / "rdmap0" / "device" / "driver").unlink()
+    assert not host_has_efa(tmp_path / "class")
+    assert not host_has_efa(tmp_path / "absent")
+    assert ucx_module_defaults({}) == ({} if host_has_efa() else {"UCX_MODULES": "^efa"})
+    assert ucx_module_defaults({"UCX_MODULES": "ib,tcp"}) == {}
+    monkeypatch.setenv("UCX_MODULES", "*")
+    assert ucx_module_defaults({}) == {}

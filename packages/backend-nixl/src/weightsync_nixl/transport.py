@@ -6,6 +6,7 @@ import os
 import time
 import uuid
 from collections.abc import Hashable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +28,27 @@ __all__ = ["NixlTransport"]
 _MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 _FIRST_POLL_SECONDS = 20e-6
 _MAX_POLL_SECONDS = 2e-3
+_RDMA_DEVICES = Path("/sys/class/infiniband")
+
+
+def host_has_efa(devices: Path = _RDMA_DEVICES) -> bool:
+    """Whether this host has an AWS EFA device (an RDMA device bound to the ``efa`` driver)."""
+    drivers = devices.glob("*/device/driver") if devices.is_dir() else ()
+    return any(driver.resolve().name == "efa" for driver in drivers)
+
+
+def ucx_module_defaults(env: Mapping[str, str]) -> dict[str, str]:
+    """UCX settings to add to ``env`` (the caller's, over the process environment).
+
+    The nixl wheels bundle their own libibverbs and libnl, but UCX's ``efa`` module links the
+    host's ``libefa``, which pulls in the host's libibverbs and libnl too. With two libnl
+    copies in the process, it crashes with SIGSEGV at exit (in ``rtnl_tc_unregister``) on any
+    host with rdma-core's providers installed. On hosts without an EFA device that module has
+    nothing to drive, so it is not loaded; an explicit ``UCX_MODULES`` always wins.
+    """
+    if "UCX_MODULES" in env or "UCX_MODULES" in os.environ or host_has_efa():
+        return {}
+    return {"UCX_MODULES": "^efa"}
 
 
 class NixlTransport(PeerTransport):
@@ -38,7 +60,9 @@ class NixlTransport(PeerTransport):
         plugin_params: the plugin's init parameters (for UCX: ``ucx_devices``,
             ``num_workers``, ``ucx_error_handling_mode``), as strings.
         env: ``UCX_*`` (or other library) environment variables to set before the agent is
-            created; UCX reads its settings from the environment once, at start-up.
+            created; UCX reads its settings from the environment once, at start-up. Unless
+            ``UCX_MODULES`` is set here or in the environment, UCX's ``efa`` module is left
+            out on hosts without an EFA device (see :func:`ucx_module_defaults`).
         num_threads: worker threads of multi-threaded plugins (0: the plugin's default).
     """
 
@@ -51,7 +75,8 @@ class NixlTransport(PeerTransport):
         env: Mapping[str, str] | None = None,
         num_threads: int = 0,
     ) -> None:
-        os.environ.update({key: str(value) for key, value in (env or {}).items()})
+        settings = {key: str(value) for key, value in (env or {}).items()}
+        os.environ.update({**ucx_module_defaults(settings), **settings})
         self.name = f"weightsync-{uuid.uuid4().hex[:12]}"
         # engines call the agent from several threads (forwards overlap): make it thread-safe
         config = nixl_agent_config(
