@@ -42,8 +42,6 @@ class MooncakeTransport(PeerTransport):
             the engine discover them.
     """
 
-    library = "Mooncake Transfer Engine"
-
     def __init__(self, host: str, protocol: str = "tcp", device_name: str = "") -> None:
         self._engine = TransferEngine()
         code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)

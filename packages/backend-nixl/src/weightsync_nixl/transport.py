@@ -66,8 +66,6 @@ class NixlTransport(PeerTransport):
         num_threads: worker threads of multi-threaded plugins (0: the plugin's default).
     """
 
-    library = "NIXL"
-
     def __init__(
         self,
         plugin: str = "UCX",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -58,9 +58,6 @@ def describe_buffer(buffer: torch.Tensor) -> RemoteBuffer:
 
 class PeerTransport(ABC):
     """One process's endpoint of a one-sided transfer library."""
-
-    library: ClassVar[str] = ""
-    """The library's name, for messages (``"NIXL"``, ``"Mooncake Transfer Engine"``)."""
 
     @abstractmethod
     def register(self, buffer: torch.Tensor) -> RemoteBuffer:

@@ -248,7 +248,7 @@ class ExperimentConfig:
                 f"task.prompt_length + task.response_length ({length}) exceeds "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings})"
             )
-        sequences = self.trainer.prompts_per_step * self.algorithm.group_size
+        sequences = self.sequences_per_step
         groups = [("actor", self.actor.world_size)]
         if self.uses_critic:
             groups.append(("critic", self.critic.world_size))
