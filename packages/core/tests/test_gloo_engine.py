@@ -9,6 +9,7 @@ import torch.distributed as dist
 from weightsync_core.engines import GlooCheckpointEngine
 from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
 from weightsync_core.testing import digests, make_weights
+from weightsync_core.wire import new_session_key
 
 BUCKET = 256 << 10
 
@@ -28,6 +29,9 @@ class ThreadedSync:
         """Run one sync; ``weights`` is a state dict or a zero-argument factory of a stream.
         Returns (actor results, rollout results, actor kwargs): stats/dicts or exceptions."""
         engines = self.actors + self.rollout
+        key = new_session_key()
+        for engine in engines:
+            engine.set_session_key(key)
         metadata = [engine.prepare() for engine in engines]
         actor_kwargs, rollout_kwargs = self.engine_cls.build_topology(
             len(self.actors), len(self.rollout), metadata

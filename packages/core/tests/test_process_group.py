@@ -6,16 +6,22 @@ import time
 import pytest
 
 from weightsync_core.errors import GroupInitTimeoutError
-from weightsync_core.process_group import create_store, find_free_port, rendezvous
+from weightsync_core.process_group import (
+    create_store,
+    listen_on_free_port,
+    rendezvous,
+    reserve_port,
+)
 
 
 def test_rendezvous_names_the_missing_ranks():
-    port = find_free_port()
+    listener = listen_on_free_port("127.0.0.1")
+    port = listener.getsockname()[1]
     errors = {}
 
     def join(rank):
         try:
-            store = create_store("127.0.0.1", port, rank, 4, 2.0, "test")
+            store = create_store("127.0.0.1", port, rank, 4, 2.0, "test", listener)
             rendezvous(store, rank, 4, 2.0)
         except GroupInitTimeoutError as exc:
             errors[rank] = exc
@@ -34,6 +40,46 @@ def test_rendezvous_names_the_missing_ranks():
 
 
 def test_unreachable_master_is_reported_as_rank_zero_missing():
-    with pytest.raises(GroupInitTimeoutError, match="rank 0 never arrived") as info:
-        create_store("127.0.0.1", find_free_port(), 1, 2, 1.0, "test")
+    with reserve_port("127.0.0.1") as unused, pytest.raises(
+        GroupInitTimeoutError, match="rank 0 never arrived"
+    ) as info:
+        create_store("127.0.0.1", unused.getsockname()[1], 1, 2, 1.0, "test")
     assert info.value.missing_ranks == [0]
+
+
+def test_store_listens_on_the_configured_host_only():
+    listener = listen_on_free_port("127.0.0.1")
+    port = listener.getsockname()[1]
+    store = create_store("127.0.0.1", port, 0, 1, 2.0, "test", listener)
+    store.set("key", "value")
+    listening = _listening_addresses(port)
+    assert listening == {"127.0.0.1"}, listening
+    del store
+
+
+def test_wildcard_hosts_are_refused():
+    with pytest.raises(ValueError, match=r"not '0\.0\.0\.0'"):
+        listen_on_free_port("0.0.0.0")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses of this process's sockets listening on ``port`` (from /proc)."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(_address(address, width))
+    return found
+
+
+def _address(hex_address: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    if width == 8:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))

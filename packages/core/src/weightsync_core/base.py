@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import parse_dtype
+from weightsync_core.errors import WeightSyncError
+from weightsync_core.verification import bucket_checksum
+from weightsync_core.wire import check_session_key
 
-__all__ = ["CheckpointEngine", "CheckpointEngineWithCache", "TransferStats"]
+__all__ = ["CheckpointEngine", "CheckpointEngineWithCache", "SyncProgress", "TransferStats"]
 
 
 @dataclass
@@ -27,6 +31,34 @@ class TransferStats:
     def as_dict(self) -> dict[str, float]:
         """Plain dict, for returning across Ray."""
         return asdict(self)
+
+
+@dataclass
+class SyncProgress:
+    """What this process is doing in the current sync, so that the manager can tell which
+    process stopped making progress when a sync times out.
+
+    Attributes:
+        state: ``idle``; on the actor side ``producing`` (waiting for the weights
+            iterator) or ``sending``; on the rollout side ``receiving`` (waiting for the
+            engine) or ``loading`` (the server holds a tensor).
+        since: ``time.monotonic()`` when the state began.
+        tensors: tensors handed on so far in this sync.
+    """
+
+    state: str = "idle"
+    since: float = field(default_factory=time.monotonic)
+    tensors: int = 0
+
+    def enter(self, state: str) -> None:
+        """Switch to ``state`` (restarting its clock)."""
+        self.state = state
+        self.since = time.monotonic()
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"state", "seconds" (in that state), "tensors"}``, for the manager."""
+        return {"state": self.state, "seconds": time.monotonic() - self.since,
+                "tensors": self.tensors}
 
 
 class CheckpointEngine(ABC):
@@ -48,6 +80,8 @@ class CheckpointEngine(ABC):
     is_colocated: ClassVar[bool] = False
     """True for engines where actor and rollout share one process (no transfer)."""
 
+    _session_key: bytes | None = None
+
     def __init__(
         self,
         bucket_size: int,
@@ -62,6 +96,40 @@ class CheckpointEngine(ABC):
         self.rollout_dtype = parse_dtype(rollout_dtype)
         self.verify = verify
         self.timeout = float(timeout)
+        self.progress = SyncProgress()
+        """Updated by the worker that owns the engine; read through :meth:`sync_progress`."""
+
+    def set_session_key(self, key: bytes) -> None:
+        """Take this sync's session key: a fresh secret the manager hands every process of
+        the sync through Ray before :meth:`init_process_group`. Engines authenticate every
+        network message and group join of the sync with it (see
+        :mod:`weightsync_core.wire`)."""
+        self._session_key = check_session_key(key)
+
+    @property
+    def session_key(self) -> bytes:
+        """This sync's session key.
+
+        Raises:
+            WeightSyncError: none was set (the engine is driven without the manager).
+        """
+        if self._session_key is None:
+            raise WeightSyncError(
+                f"{type(self).__name__} has no session key: call set_session_key(key) on "
+                "every engine of the sync, with one key from "
+                "weightsync_core.wire.new_session_key(), before init_process_group "
+                "(CheckpointEngineManager does this)"
+            )
+        return self._session_key
+
+    def sync_progress(self) -> dict[str, Any]:
+        """What this process is doing in the current sync (see :class:`SyncProgress`)."""
+        return self.progress.snapshot()
+
+    def bucket_checksum(self, data: torch.Tensor) -> int:
+        """Checksum of a bucket's used bytes, for verification (computed where they live:
+        xxh3 on the host, a position-weighted sum on a device)."""
+        return bucket_checksum(data)
 
     @abstractmethod
     def prepare(self) -> dict[str, Any]:
@@ -114,6 +182,11 @@ class CheckpointEngine(ABC):
         manager calls it on every reachable worker when a sync fails; by default it is
         :meth:`finalize`."""
         self.finalize()
+
+    def close(self) -> None:
+        """Release everything the engine holds, listening sockets included (it may be used
+        again: what it needs is created anew). By default it is :meth:`abort`."""
+        self.abort()
 
 
 class CheckpointEngineWithCache(CheckpointEngine):

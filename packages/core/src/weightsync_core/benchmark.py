@@ -19,7 +19,7 @@ from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.process_group import (
     create_store,
     default_host,
-    find_free_port,
+    listen_on_free_port,
     new_gloo_group,
     rendezvous,
 )
@@ -34,11 +34,16 @@ class RawBroadcastPeer:
 
     def prepare(self) -> dict[str, Any]:
         host = default_host()
-        return {"host": host, "port": find_free_port(host)}
+        self.listener = listen_on_free_port(host)
+        return {"host": host, "port": self.listener.getsockname()[1]}
 
     def setup(self, rank: int, world_size: int, master: dict[str, Any], nbytes: int) -> None:
         """Join the raw group and allocate (and touch) the buffer."""
-        store = create_store(master["host"], master["port"], rank, world_size, 120, "raw")
+        if rank != 0:
+            self.listener.close()
+        store = create_store(
+            master["host"], master["port"], rank, world_size, 120, "raw", self.listener
+        )
         rendezvous(store, rank, world_size, 120)
         self.group = new_gloo_group(store, rank, world_size, 120, default_host())
         fill = 1 if rank == 0 else 0

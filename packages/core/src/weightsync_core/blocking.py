@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["run_blocking"]
+__all__ = ["retrieve_exception", "run_blocking"]
 
 T = TypeVar("T")
 
@@ -25,3 +25,10 @@ async def run_blocking(function: Callable[..., T], *args: Any, **kwargs: Any) ->
     """Await ``function(*args, **kwargs)`` run on weightsync's blocking-call thread pool."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_POOL, functools.partial(function, *args, **kwargs))
+
+
+def retrieve_exception(future: asyncio.Future) -> None:
+    """Done-callback that marks a future's exception as seen, for futures whose failure is
+    reported another way (or not worth reporting): no "exception was never retrieved"."""
+    if not future.cancelled():
+        future.exception()

@@ -8,6 +8,7 @@ accepted; offsets are aligned so received slices can be viewed as their dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -85,6 +86,30 @@ class BucketMeta:
     nbytes: int
     tensors: list[TensorMeta]
     checksum: int | None = None
+
+    def check(self, capacity: int) -> None:
+        """Raise :class:`ValueError` unless this description fits a ``capacity``-byte bucket
+        and every piece lies inside the bucket and inside its tensor (a receiver checks
+        what it was told before slicing its buffer with it)."""
+        if not 0 <= self.nbytes <= capacity:
+            raise ValueError(
+                f"bucket {self.index} claims {self.nbytes} bytes but buckets hold {capacity}; "
+                "use the same update_weights_bucket_megabytes on both sides"
+            )
+        for piece in self.tensors:
+            whole = math.prod(piece.shape) * piece.dtype.itemsize
+            if (
+                min(piece.shape, default=0) < 0 or piece.total_nbytes != whole
+                or min(piece.offset, piece.nbytes, piece.chunk_offset) < 0
+                or piece.offset + piece.nbytes > self.nbytes
+                or piece.chunk_offset + piece.nbytes > piece.total_nbytes
+            ):
+                raise ValueError(
+                    f"bucket {self.index}: the piece of {piece.name!r} (offset {piece.offset}, "
+                    f"{piece.nbytes} of {piece.total_nbytes} bytes from byte "
+                    f"{piece.chunk_offset}, shape {list(piece.shape)}) does not fit the bucket "
+                    "or its tensor"
+                )
 
 
 @dataclass(slots=True)

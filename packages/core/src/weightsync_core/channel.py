@@ -2,27 +2,42 @@
 
 Transports that move bucket bytes one-sidedly (NIXL, Mooncake) still need to say "bucket
 ``k`` is in slot ``s``" and "slot ``s`` is free again". Each process binds one PULL socket
-(its inbox) and keeps a PUSH socket per peer it writes to. Waiting on the inbox blocks in
-ZeroMQ's poller: no core spins while a process waits for its upstream.
+(its inbox) on its configured host only, and keeps a PUSH socket per peer it writes to.
+Waiting on the inbox blocks in ZeroMQ's poller: no core spins while a process waits.
 
-Messages are pickled dicts, so the channel trusts whoever can reach the inbox port (the same
-trust model as ``torch.distributed`` object collectives); bind to a cluster-internal address.
+Anyone who can reach the inbox port can send to it, so nothing received is trusted: every
+frame must carry the sync's HMAC tag (:class:`~weightsync_core.wire.MessageSealer`) and
+decode into the engine's fixed schema (:class:`~weightsync_core.wire.MessageCodec`). Frames
+that fail either check are dropped, counted in :attr:`ControlChannel.rejected` and logged;
+they never reach the engine. Late messages of the last few syncs (a credit that arrives
+after its sync ended) are dropped quietly and counted in :attr:`ControlChannel.stale`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from weightsync_core.errors import WeightSyncError
+from weightsync_core.errors import MalformedMessageError, UnauthenticatedMessageError
 from weightsync_core.process_group import default_host
 from weightsync_core.transport import PeerTransport
+from weightsync_core.wire import MessageCodec, MessageSealer
 
 __all__ = ["ControlChannel", "PeerEndpoints", "zmq_endpoint"]
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
+
+MAX_MESSAGE_BYTES = 64 << 20
+"""Larger frames are refused by ZeroMQ before they are buffered (a share manifest of a
+model with 100k tensors is a few MiB)."""
 
 
 def zmq_endpoint(host: str, port: int | None = None) -> str:
@@ -31,24 +46,50 @@ def zmq_endpoint(host: str, port: int | None = None) -> str:
     return f"tcp://{address}" if port is None else f"tcp://{address}:{port}"
 
 
-class ControlChannel:
+class ControlChannel(Generic[M]):
     """This process's inbox plus outgoing sockets to peers.
 
     Args:
-        host: address to bind the inbox to (and that peers connect to).
+        host: address to bind the inbox to (and that peers connect to); never a wildcard.
+        schema: the ``msgspec`` type of every message (a union of tagged structs).
     """
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, schema: Any) -> None:
+        if host in ("0.0.0.0", "::", "*", ""):
+            raise ValueError(
+                f"the control channel binds to one address, not {host!r}: set the engine's "
+                "host (or WEIGHTSYNC_HOST) to this process's address on the cluster network"
+            )
+        self._codec: MessageCodec[M] = MessageCodec(schema)
+        self._sealer: MessageSealer | None = None
+        self._retired: deque[bytes] = deque(maxlen=8)
+        self.rejected = 0
+        """Frames dropped because they were unauthenticated or malformed."""
+        self.stale = 0
+        """Frames of earlier syncs, dropped quietly."""
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.port = self._inbox.bind_to_random_port(zmq_endpoint(host))
         self.endpoint = zmq_endpoint(host, self.port)
         self._outboxes: dict[str, zmq.asyncio.Socket] = {}
 
-    async def send(self, endpoint: str, message: dict[str, Any], timeout: float) -> None:
+    def use_key(self, key: bytes) -> None:
+        """Seal and accept messages under ``key`` (this sync's session key) from now on."""
+        if self._sealer is not None:
+            self._retired.append(self._sealer.key_id)
+        self._sealer = MessageSealer(key)
+
+    def _require_sealer(self) -> MessageSealer:
+        if self._sealer is None:
+            raise RuntimeError("the control channel has no session key yet (use_key first)")
+        return self._sealer
+
+    async def send(self, endpoint: str, message: M, timeout: float) -> None:
         """Queue ``message`` for the peer at ``endpoint``; raises :class:`TimeoutError` if
         the peer cannot take it within ``timeout`` seconds (it is gone or not listening)."""
+        frame = self._require_sealer().seal(self._codec.encode(message))
         socket = self._outboxes.get(endpoint)
         if socket is None:
             socket = self._context.socket(zmq.PUSH)
@@ -56,16 +97,28 @@ class ControlChannel:
             socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not there
             socket.connect(endpoint)
             self._outboxes[endpoint] = socket
-        await asyncio.wait_for(socket.send_pyobj(message), timeout)
+        await asyncio.wait_for(socket.send(frame, copy=False), timeout)
 
-    async def receive(self, timeout: float | None = None) -> dict[str, Any]:
-        """The next message in the inbox; :class:`TimeoutError` after ``timeout`` seconds
-        (``None``: wait until cancelled)."""
-        message = await asyncio.wait_for(self._inbox.recv_pyobj(), timeout)
-        if not isinstance(message, dict):
-            raise WeightSyncError(f"control channel received a {type(message).__name__}, "
-                                  "not a message dict; is another program using this port?")
-        return message
+    async def receive(self, timeout: float | None = None) -> M:
+        """The next authentic, well-formed message in the inbox (others are dropped);
+        :class:`TimeoutError` after ``timeout`` seconds (``None``: wait until cancelled)."""
+        return await asyncio.wait_for(self._next_valid(), timeout)
+
+    async def _next_valid(self) -> M:
+        while True:
+            frame = await self._inbox.recv(copy=True)
+            try:
+                return self._codec.decode(self._require_sealer().open(frame))
+            except (UnauthenticatedMessageError, MalformedMessageError, RuntimeError) as exc:
+                if MessageSealer.key_id_of(frame) in self._retired:
+                    self.stale += 1  # sealed under an earlier sync's key: a late message
+                    continue
+                self.rejected += 1
+                if _worth_logging(self.rejected):
+                    logger.warning(
+                        "control channel %s dropped a message (%d dropped so far): %s",
+                        self.endpoint, self.rejected, exc,
+                    )
 
     def keep_only(self, endpoints: set[str]) -> None:
         """Close the outgoing sockets to peers not in ``endpoints`` (they left the ring)."""
@@ -79,6 +132,13 @@ class ControlChannel:
         self._context.term()
 
 
+def _worth_logging(count: int) -> bool:
+    """Log the 1st, 10th, 100th, ... dropped message: visible, but no log flood."""
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
 class PeerEndpoints:
     """One process's control channel and transport endpoint, each created on first use and
     kept across syncs (peer-to-peer engines hold one).
@@ -86,11 +146,15 @@ class PeerEndpoints:
     Args:
         host: address of this process (``None``: :func:`default_host` at first use).
         create_transport: builds the transport endpoint.
+        schema: the control channel's message type.
     """
 
-    def __init__(self, host: str | None, create_transport: Callable[[], PeerTransport]) -> None:
+    def __init__(
+        self, host: str | None, create_transport: Callable[[], PeerTransport], schema: Any
+    ) -> None:
         self._host = host
         self._create_transport = create_transport
+        self._schema = schema
         self._channel: ControlChannel | None = None
         self._transport: PeerTransport | None = None
 
@@ -98,7 +162,7 @@ class PeerEndpoints:
     def channel(self) -> ControlChannel:
         """The control channel (bound on first use)."""
         if self._channel is None:
-            self._channel = ControlChannel(self._host or default_host())
+            self._channel = ControlChannel(self._host or default_host(), self._schema)
         return self._channel
 
     @property

@@ -11,12 +11,16 @@ __all__ = [
     "BackendNotFoundError",
     "BackendNotInstalledError",
     "BackendRegistrationError",
+    "EmptyWeightsError",
     "GroupInitTimeoutError",
+    "MalformedMessageError",
+    "ManifestChangedError",
     "PluginError",
     "SenderAbortedError",
     "SyncStageError",
     "SyncTimeoutError",
     "TransferError",
+    "UnauthenticatedMessageError",
     "VerificationError",
     "WeightSyncError",
 ]
@@ -64,11 +68,20 @@ class SyncStageError(WeightSyncError):
 
 
 class SyncTimeoutError(SyncStageError, TimeoutError):
-    """A sync stage did not finish within the configured timeout."""
+    """A sync stage did not finish within the configured timeout.
 
-    def __init__(self, message: str, *, stage: str = "", pending: list[str] | None = None) -> None:
+    Attributes:
+        pending: every process the stage still waited on.
+        worker: the one that stopped making progress, when it could be told (else all of
+            ``pending``).
+    """
+
+    def __init__(
+        self, message: str, *, stage: str = "", pending: list[str] | None = None,
+        culprit: str | None = None,
+    ) -> None:
         pending = pending or []
-        super().__init__(message, stage=stage, worker=", ".join(pending) or None)
+        super().__init__(message, stage=stage, worker=culprit or ", ".join(pending) or None)
         self.pending = pending
 
 
@@ -103,8 +116,34 @@ class SenderAbortedError(WeightSyncError):
 
 
 class VerificationError(WeightSyncError):
-    """Received weights do not match the sender's manifest (missing, extra or corrupt)."""
+    """Received weights do not match the sender's manifest (missing, extra or corrupt).
 
-    def __init__(self, message: str, *, tensors: list[str] | None = None) -> None:
+    Attributes:
+        tensors: the tensors concerned.
+        source: the process that sent the bad data (``"actor rank 0"``), when known.
+    """
+
+    def __init__(
+        self, message: str, *, tensors: list[str] | None = None, source: str = ""
+    ) -> None:
         super().__init__(message)
         self.tensors = tensors or []
+        self.source = source
+
+
+class ManifestChangedError(VerificationError):
+    """The weights' names, shapes or dtypes differ from the previous sync's, and the caller
+    did not pass ``allow_manifest_change=True``."""
+
+
+class EmptyWeightsError(WeightSyncError, ValueError):
+    """A sync carried no tensors at all (a sync that loads nothing is never a success)."""
+
+
+class UnauthenticatedMessageError(WeightSyncError):
+    """A network message did not carry this sync's authentication tag (it comes from outside
+    the sync, from an earlier sync, or was altered on the way)."""
+
+
+class MalformedMessageError(WeightSyncError, ValueError):
+    """An authenticated network message does not match the wire schema."""

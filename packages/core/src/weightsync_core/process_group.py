@@ -21,7 +21,7 @@ __all__ = [
     "HOST_ENV",
     "create_store",
     "default_host",
-    "find_free_port",
+    "listen_on_free_port",
     "new_gloo_group",
     "rendezvous",
     "reserve_port",
@@ -47,12 +47,6 @@ def default_host() -> str:
     return "127.0.0.1"
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with reserve_port(host) as sock:
-        return sock.getsockname()[1]
-
-
 def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     """A socket bound (not listening) to a free port of ``host``: while it stays open, no
     other bind takes that port. Close it right before binding the port for real."""
@@ -66,18 +60,43 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def listen_on_free_port(host: str) -> socket.socket:
+    """A socket listening on a free port of ``host`` (that address only, never a wildcard):
+    hand it to :func:`create_store` as the store's listener."""
+    if host in ("0.0.0.0", "::", ""):
+        raise ValueError(
+            f"weight-sync listeners bind to one address, not {host!r}: set the engine's host "
+            f"(or {HOST_ENV}) to this process's address on the cluster network"
+        )
+    sock = reserve_port(host)
+    try:
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def create_store(
-    host: str, port: int, rank: int, world_size: int, timeout: float, prefix: str
+    host: str, port: int, rank: int, world_size: int, timeout: float, prefix: str,
+    listener: socket.socket | None = None,
 ) -> dist.Store:
     """A ``TCPStore`` hosted by rank 0 at ``host:port``, under ``prefix``.
+
+    Rank 0 passes ``listener`` (from :func:`listen_on_free_port`, on ``host:port``): its
+    store serves that socket, which listens on ``host`` only (a store left to bind by
+    itself listens on every interface). The store takes the socket over.
 
     Raises:
         GroupInitTimeoutError: a non-zero rank could not reach rank 0's store.
     """
+    if rank == 0 and listener is None:
+        raise ValueError("group rank 0 hosts the store: pass the listener from prepare()")
     try:
+        options = {"master_listen_fd": listener.detach()} if rank == 0 else {}
         store = dist.TCPStore(
             host, port, world_size, rank == 0,
-            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False, **options,
         )
     except (RuntimeError, dist.DistStoreError) as exc:
         if rank == 0:

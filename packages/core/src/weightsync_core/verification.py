@@ -8,11 +8,21 @@ import torch
 import xxhash
 
 from weightsync_core.bucketing import BucketMeta
-from weightsync_core.errors import VerificationError
+from weightsync_core.errors import EmptyWeightsError, ManifestChangedError, VerificationError
 
-__all__ = ["DeliveryVerifier", "Manifest", "bucket_checksum", "device_checksum", "host_checksum"]
+__all__ = [
+    "DeliveryVerifier",
+    "Manifest",
+    "ManifestEntry",
+    "ManifestGuard",
+    "bucket_checksum",
+    "device_checksum",
+    "host_checksum",
+]
 
-Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
+ManifestEntry = tuple[str, tuple[int, ...], torch.dtype]
+"""``(name, shape, dtype)`` of one tensor."""
+Manifest = Sequence[ManifestEntry]
 """``(name, shape, dtype)`` of every tensor the sender sent, in order."""
 
 
@@ -71,7 +81,7 @@ class DeliveryVerifier:
             raise VerificationError(
                 f"bucket {meta.index} from {source} is corrupt (checksum {actual:#018x}, "
                 f"sender sent {meta.checksum:#018x}); it holds: {', '.join(names)}",
-                tensors=names,
+                tensors=names, source=source,
             )
 
     def record(self, name: str, tensor: torch.Tensor) -> None:
@@ -104,3 +114,67 @@ class DeliveryVerifier:
                 "received weights do not match the sender's manifest: " + "; ".join(problems),
                 tensors=[*incomplete, *missing, *extra, *mismatched],
             )
+
+
+def _describe_spec(spec: tuple[tuple[int, ...], torch.dtype]) -> str:
+    shape, dtype = spec
+    return f"shape {list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+class ManifestGuard:
+    """What a receiving process loaded in its last complete sync, checked against each new
+    stream as it arrives: a tensor whose name, shape or dtype is new fails *before* the
+    server sees it; a tensor that went missing fails at the end of the stream; an empty
+    stream always fails. The first sync (nothing loaded yet) and syncs the caller marks with
+    ``allow_change`` accept any non-empty set of tensors, which becomes the new reference.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._current: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._allow_change = True
+
+    def start(self, *, allow_change: bool = False) -> None:
+        """Begin checking a new stream."""
+        self._current = {}
+        self._allow_change = allow_change or self._previous is None
+
+    def check(self, name: str, tensor: torch.Tensor) -> None:
+        """Note one arriving tensor; raise :class:`ManifestChangedError` if it differs from
+        the previous sync's."""
+        spec = (tuple(tensor.shape), tensor.dtype)
+        self._current[name] = spec
+        if self._allow_change:
+            return
+        before = self._previous.get(name)
+        if before == spec:
+            return
+        change = ("was not in the previous sync's weights" if before is None else
+                  f"changed from {_describe_spec(before)} to {_describe_spec(spec)}")
+        raise ManifestChangedError(
+            f"tensor {name!r} {change}; refused before loading it. If the model's layout "
+            "changed on purpose, pass allow_manifest_change=True to update_weights",
+            tensors=[name],
+        )
+
+    def finish(self) -> None:
+        """End the stream: raise if it was empty or lost tensors; else it becomes the
+        reference for the next sync."""
+        if not self._current:
+            raise EmptyWeightsError(
+                "the weight stream of this sync held no tensors; nothing was loaded (does the "
+                "actor's weight iterator yield anything?)"
+            )
+        if not self._allow_change:
+            missing = sorted(set(self._previous) - set(self._current))
+            if missing:
+                shown = ", ".join(missing[:20]) + (
+                    f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+                )
+                raise ManifestChangedError(
+                    f"{len(missing)} tensor(s) of the previous sync are missing from this one: "
+                    f"{shown}. If the model's layout changed on purpose, pass "
+                    "allow_manifest_change=True to update_weights",
+                    tensors=missing,
+                )
+        self._previous, self._current = self._current, {}

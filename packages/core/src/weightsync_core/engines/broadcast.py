@@ -8,18 +8,22 @@ overrides only what its hardware needs:
 - :meth:`_synchronize_device`: stream handling before a bucket is sent or read.
 
 Control messages (bucket metadata, the final manifest, aborts) always travel on a small gloo
-group over host memory. Each bucket is one message: a 3-integer header ``[kind, meta_len,
-data_len]``, the pickled metadata, then the bucket bytes on the data group. The sender fills
-bucket ``k+1`` while bucket ``k`` is on the wire; receivers post the receive of ``k+1``
-before unpacking ``k``.
+group over host memory. Each bucket is one message: a 2-integer header ``[meta_len,
+data_len]``, the metadata (a fixed schema sealed with the sync's session key, see
+:mod:`weightsync_core.wire`; receivers check the seal before decoding), then the bucket bytes
+on the data group. The sender fills bucket ``k+1`` while bucket ``k`` is on the wire;
+receivers post the receive of ``k+1`` before unpacking ``k``.
+
+The group's rendezvous store listens on the configured host only, and every key lives under
+a prefix derived from the session key: a process outside the sync can neither read the
+members' addresses nor claim a rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import pickle
+import dataclasses
 import socket
 import time
 import uuid
@@ -28,12 +32,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BroadcastOptions
 
 from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.blocking import run_blocking
+from weightsync_core.blocking import retrieve_exception, run_blocking
 from weightsync_core.bucketing import (
     BucketMeta,
     BucketPacker,
@@ -44,16 +49,24 @@ from weightsync_core.bucketing import (
     iter_named_tensors,
 )
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
-from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
+from weightsync_core.errors import (
+    EmptyWeightsError,
+    MalformedMessageError,
+    SenderAbortedError,
+    TransferError,
+    UnauthenticatedMessageError,
+    WeightSyncError,
+)
 from weightsync_core.process_group import (
     create_store,
     default_host,
+    listen_on_free_port,
     new_gloo_group,
     rendezvous,
-    reserve_port,
 )
 from weightsync_core.topology import broadcast_topology
-from weightsync_core.verification import DeliveryVerifier, Manifest, bucket_checksum
+from weightsync_core.verification import DeliveryVerifier, Manifest, ManifestEntry
+from weightsync_core.wire import MessageCodec, MessageSealer
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
@@ -62,16 +75,21 @@ _MAX_IN_FLIGHT = 4
 _MAX_METADATA_BYTES = 1 << 30
 
 
-def _retrieve_exception(future: asyncio.Future) -> None:
-    """Mark a future's exception as seen (it is reported through another path)."""
-    if not future.cancelled():
-        future.exception()
+class _BucketMessage(msgspec.Struct, tag="bucket", frozen=True):
+    meta: BucketMeta
 
 
-class _Kind(enum.IntEnum):
-    BUCKET = 0
-    FINAL = 1
-    ABORT = 2
+class _FinalMessage(msgspec.Struct, tag="final", frozen=True):
+    manifest: list[ManifestEntry]
+    global_steps: int | None
+
+
+class _AbortMessage(msgspec.Struct, tag="abort", frozen=True):
+    reason: str
+
+
+_Message = _BucketMessage | _FinalMessage | _AbortMessage
+_CODEC: MessageCodec[_Message] = MessageCodec(_Message)
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,8 @@ class _Group:
     data: dist.ProcessGroup
     store: dist.Store
     sender: str
+    sealer: MessageSealer
+    """Seals and opens this sync's metadata (the group may outlive a sync; the key not)."""
 
 
 class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
@@ -152,7 +172,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self.world_size = 0
         self._group: _Group | None = None
         self._group_key: dict[str, Any] | None = None
-        self._reserved_port: socket.socket | None = None
+        self._listener: socket.socket | None = None
         self._healthy = True
         self._send_buffers: list[torch.Tensor] = []
         self.device = self._current_device()
@@ -180,22 +200,19 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         No-op on host memory."""
         synchronize_device(self.device)
 
-    def _checksum(self, data: torch.Tensor) -> int:
-        """Checksum of a bucket's used bytes, for verification (computed where they live)."""
-        return bucket_checksum(data)
-
     # -- CheckpointEngine ----------------------------------------------------------------
     def _own_host(self) -> str:
         return self.host or default_host()
 
     def prepare(self) -> dict[str, Any]:
         host = self._own_host()
-        # held until init_process_group, so that nothing else takes the port meanwhile
-        self._release_reserved_port()
-        self._reserved_port = reserve_port(host)
+        # Listening from now on, on this host only; if this process becomes group rank 0,
+        # its store serves this very socket (no other process can take the port meanwhile).
+        self._close_listener()
+        self._listener = listen_on_free_port(host)
         return {
             "host": host,
-            "port": self._reserved_port.getsockname()[1],
+            "port": self._listener.getsockname()[1],
             "member": self.member_id,
             "group": self._group_key,
             "senders": self.senders,
@@ -214,8 +231,10 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         master_metadata: dict[str, Any] | None,
         members: list[str] | None = None,
     ) -> None:
-        self._release_reserved_port()  # rank 0's store binds it now
+        listener, self._listener = self._listener, None
+        sealer = MessageSealer(self.session_key)
         if rank >= 0 and master_metadata and master_metadata.get("reuse"):
+            self._close(listener)
             if self._group is None or self._group_key != {
                 "port": master_metadata["port"], "members": members
             }:
@@ -223,15 +242,19 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                     f"{type(self).__name__}: asked to reuse a group this process does not hold "
                     f"(rank {rank}); the topology and the engine state disagree"
                 )
+            self._group = dataclasses.replace(self._group, sealer=sealer)
             self.rank, self.world_size = rank, world_size
             return
         self._destroy_group()
         self.rank, self.world_size = rank, world_size
+        if rank != 0:
+            self._close(listener)  # only group rank 0 serves the store
         if rank < 0:
             return
         store = create_store(
             master_metadata["host"], master_metadata["port"], rank, world_size,
-            self.group_init_timeout, self.group_name,
+            self.group_init_timeout, f"{self.group_name}/{sealer.derive('rendezvous')}",
+            listener=listener,
         )
         rendezvous(store, rank, world_size, self.group_init_timeout)
         control = new_gloo_group(
@@ -239,7 +262,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         )
         data = self._new_data_group(dist.PrefixStore("data", store), rank, world_size, control)
         sender = f"actor rank {master_metadata.get('sender', 0)}"
-        self._group = _Group(control, data, store, sender)
+        self._group = _Group(control, data, store, sender, sealer)
         self._group_key = {"port": master_metadata["port"], "members": members}
         self._healthy = True
 
@@ -259,11 +282,11 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 self._send_buffers = [self._allocate_bucket() for _ in range(2)]
             packer = BucketPacker(
                 self._send_buffers, self.rollout_dtype,
-                self._checksum if self.verify else None, self.direct_min_bytes,
+                self.bucket_checksum if self.verify else None, self.direct_min_bytes,
             )
             async for bucket in packer.pack(weights):
                 self._synchronize_device()
-                works = self._post_message(group, _Kind.BUCKET, bucket.meta, bucket.data)
+                works = self._post_message(group, _BucketMessage(bucket.meta), bucket.data)
                 waiter = asyncio.ensure_future(run_blocking(self._wait, group, works))
                 in_flight.append((waiter, bucket.direct))
                 # Before the packer fills again, the packed bucket before the latest one must
@@ -278,8 +301,14 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                     await in_flight.popleft()[0]
             while in_flight:
                 await in_flight.popleft()[0]
-            final = {"manifest": packer.manifest, "global_steps": global_steps}
-            await run_blocking(self._wait, group, self._post_message(group, _Kind.FINAL, final))
+            if not packer.num_tensors:
+                raise EmptyWeightsError(
+                    f"{type(self).__name__} on {group.sender}: the weight stream held no "
+                    "tensors; a sync that loads nothing is refused (does iter_weights yield "
+                    "anything?)"
+                )
+            final = _FinalMessage(packer.manifest, global_steps)
+            await run_blocking(self._wait, group, self._post_message(group, final))
             completed = True
         except Exception as exc:
             await self._abort(group, [waiter for waiter, _ in in_flight], exc)
@@ -287,7 +316,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         finally:
             self._healthy = self._healthy and completed
             for waiter, _ in in_flight:  # cancelled mid-sync: nobody will await these
-                waiter.add_done_callback(_retrieve_exception)
+                waiter.add_done_callback(retrieve_exception)
         return TransferStats(
             packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
         )
@@ -299,7 +328,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         while a yielded tensor still views it (see :class:`ReceiveBuffers`)."""
         group = self._require_group(sender=False)
         unpacker = BucketUnpacker(copy=False)
-        verifier = DeliveryVerifier(self._checksum)
+        verifier = DeliveryVerifier(self.bucket_checksum)
         buffers = self._receive_buffers
         index = 0
         completed = False
@@ -308,22 +337,22 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         )
         try:
             while True:
-                kind, payload, data = await pending
+                message, data = await pending
                 pending = None
-                if kind == _Kind.ABORT:
+                if isinstance(message, _AbortMessage):
                     raise SenderAbortedError(
                         f"{group.sender} aborted the sync, so rollout rank {self.rank} stops: "
-                        f"{payload}"
+                        f"{message.reason}"
                     )
-                if kind == _Kind.FINAL:
-                    verifier.finish(payload["manifest"], incomplete=unpacker.incomplete())
+                if isinstance(message, _FinalMessage):
+                    verifier.finish(message.manifest, incomplete=unpacker.incomplete())
                     completed = True
                     return
                 index += 1
                 pending = asyncio.ensure_future(self._receive_message(group, buffers.take(index)))
                 if self.verify:
-                    verifier.check_bucket(data, payload, source=group.sender)
-                for item in unpacker.unpack(data, payload):
+                    verifier.check_bucket(data, message.meta, source=group.sender)
+                for item in unpacker.unpack(data, message.meta):
                     verifier.record(*item)
                     yield item
                 # drop our own views of this bucket so that its buffer can be reused
@@ -338,25 +367,25 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         """Group rank 0: broadcast one already-packed bucket (``data`` = its used bytes, on
         this engine's device); returns once it has left. Receivers run
         :meth:`receive_weights` as usual."""
-        await self._relay(_Kind.BUCKET, meta, data)
+        await self._relay(_BucketMessage(meta), data)
 
     async def relay_final(self, manifest: Manifest, global_steps: int | None) -> None:
         """Group rank 0: end a relayed stream with the sender's manifest."""
-        await self._relay(_Kind.FINAL, {"manifest": manifest, "global_steps": global_steps})
+        await self._relay(_FinalMessage(list(manifest), global_steps))
 
     async def relay_abort(self, reason: str) -> None:
         """Group rank 0: tell the receivers the relayed stream is off (best effort)."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._relay(_Kind.ABORT, reason), min(self.timeout, 30.0))
+            await asyncio.wait_for(self._relay(_AbortMessage(reason)), min(self.timeout, 30.0))
 
-    async def _relay(self, kind: _Kind, payload: object, data: torch.Tensor | None = None) -> None:
+    async def _relay(self, message: _Message, data: torch.Tensor | None = None) -> None:
         group = self._require_group(sender=True)
         if group is None:
             raise WeightSyncError(f"{type(self).__name__}: this rank has no group to relay to")
         try:
             if data is not None:
                 self._synchronize_device()
-            await run_blocking(self._wait, group, self._post_message(group, kind, payload, data))
+            await run_blocking(self._wait, group, self._post_message(group, message, data))
         except BaseException:
             self._healthy = False
             raise
@@ -369,16 +398,23 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         self._release_buffers()
 
     def abort(self) -> None:
-        """Drop the group and the receive buffers whatever their state (after a failed sync
-        anywhere): transfers left over from it can touch nothing the next sync uses."""
+        """Drop the group, the receive buffers and the listening socket whatever their state
+        (after a failed sync anywhere): transfers left over from it can touch nothing the
+        next sync uses."""
         self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+        self._close_listener()
         self._destroy_group()
         self._release_buffers()
 
-    def _release_reserved_port(self) -> None:
-        reserved, self._reserved_port = self._reserved_port, None
-        if reserved is not None:
-            reserved.close()
+    @staticmethod
+    def _close(listener: socket.socket | None) -> None:
+        if listener is not None:
+            listener.close()
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        self._close(listener)
+
 
     def _release_buffers(self) -> None:
         if not self.keep_buffers:
@@ -429,13 +465,14 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
                 ) from exc
 
     def _post_message(
-        self, group: _Group, kind: _Kind, payload: object, data: torch.Tensor | None = None
+        self, group: _Group, message: _Message, data: torch.Tensor | None = None
     ) -> list[tuple[dist.Work, str]]:
-        """Enqueue header, metadata and bucket bytes of one message, in that order."""
-        meta = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+        """Enqueue header, sealed metadata and bucket bytes of one message, in that order."""
+        sealed = group.sealer.seal(_CODEC.encode(message))
+        meta = torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
         data_len = 0 if data is None else data.numel()
-        header = torch.tensor([int(kind), meta.numel(), data_len], dtype=torch.int64)
-        name = kind.name.lower()
+        header = torch.tensor([meta.numel(), data_len], dtype=torch.int64)
+        name = type(message).__name__.strip("_").removesuffix("Message").lower()
         works = [
             (self._post(group.control, header), f"{name} header"),
             (self._post(group.control, meta), f"{name} metadata"),
@@ -446,11 +483,11 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
 
     def _receive_message_blocking(
         self, group: _Group, buffer: torch.Tensor
-    ) -> tuple[_Kind, Any, torch.Tensor]:
-        header = torch.zeros(3, dtype=torch.int64)
+    ) -> tuple[_Message, torch.Tensor]:
+        header = torch.zeros(2, dtype=torch.int64)
         self._wait(group, [(self._post(group.control, header), "header")])
-        kind, meta_len, data_len = (int(value) for value in header)
-        if kind not in _Kind.__members__.values() or not 0 < meta_len <= _MAX_METADATA_BYTES:
+        meta_len, data_len = (int(value) for value in header)
+        if not 0 < meta_len <= _MAX_METADATA_BYTES:
             raise TransferError(
                 f"rollout rank {self.rank} received a malformed message header {header.tolist()}"
                 f" from {group.sender}; the group is out of step (a peer from another sync?)",
@@ -469,11 +506,29 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         if data_len:
             works.append((self._post(group.data, data), "bucket data"))
         self._wait(group, works)
-        return _Kind(kind), pickle.loads(meta.numpy().tobytes()), data
+        return self._open(group, meta.numpy().tobytes(), data), data
+
+    def _open(self, group: _Group, frame: bytes, data: torch.Tensor) -> _Message:
+        """The message in ``frame``, once its seal and its fit with ``data`` check out."""
+        try:
+            message = _CODEC.decode(group.sealer.open(frame))
+            if isinstance(message, _BucketMessage):
+                message.meta.check(data.numel())
+                if message.meta.nbytes != data.numel():
+                    raise ValueError(
+                        f"bucket {message.meta.index} describes {message.meta.nbytes} bytes "
+                        f"but {data.numel()} arrived"
+                    )
+        except (UnauthenticatedMessageError, MalformedMessageError, ValueError) as exc:
+            raise TransferError(
+                f"rollout rank {self.rank} refused a message from {group.sender}: {exc}",
+                peer=group.sender, stage="metadata",
+            ) from exc
+        return message
 
     async def _receive_message(
         self, group: _Group, buffer: torch.Tensor
-    ) -> tuple[_Kind, Any, torch.Tensor]:
+    ) -> tuple[_Message, torch.Tensor]:
         """Receive one message into ``buffer`` on a worker thread (header, then the rest),
         so the event loop stays free to hand out the previous bucket meanwhile."""
         return await run_blocking(self._receive_message_blocking, group, buffer)
@@ -492,7 +547,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         if isinstance(exc, TransferError):
             return
         with contextlib.suppress(Exception):
-            works = self._post_message(group, _Kind.ABORT, f"{type(exc).__name__}: {exc}")
+            works = self._post_message(group, _AbortMessage(f"{type(exc).__name__}: {exc}"))
             await asyncio.wait_for(run_blocking(self._wait, group, works), timeout=limit)
 
 

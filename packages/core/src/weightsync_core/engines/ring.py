@@ -10,8 +10,9 @@ it, and frees the slot (a credit to its upstream) once both are done; meanwhile 
 ``k+1`` lands in its other slot. With ``B`` buckets and ``n`` rollout workers a sync takes
 about ``B + n - 1`` bucket times instead of ``n * B``.
 
-Messages (pickled dicts, each tagged with the sync's id so that leftovers of an aborted sync
-are ignored): downstream to upstream ``hello`` (transport metadata and slot addresses, at the
+Messages (:mod:`~weightsync_core.engines.ring_messages`: a fixed schema, sealed with the
+sync's session key, each tagged with the sync's id so that leftovers of an aborted sync are
+ignored): downstream to upstream ``hello`` (transport metadata and slot addresses, at the
 start of a sync) and ``credit`` (a slot is free again); upstream to downstream ``bucket``
 (slot and :class:`~weightsync_core.bucketing.BucketMeta`), ``final`` (the manifest) and
 ``abort``.
@@ -41,10 +42,23 @@ from weightsync_core.bucketing import (
 )
 from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
-from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
+from weightsync_core.engines.ring_messages import (
+    Abort,
+    BucketReady,
+    Credit,
+    Final,
+    Hello,
+    RingMessage,
+)
+from weightsync_core.errors import (
+    EmptyWeightsError,
+    SenderAbortedError,
+    TransferError,
+    WeightSyncError,
+)
 from weightsync_core.topology import ring_topology
 from weightsync_core.transport import PeerTransport, RemoteBuffer
-from weightsync_core.verification import DeliveryVerifier, bucket_checksum
+from weightsync_core.verification import DeliveryVerifier
 
 __all__ = ["RingCheckpointEngine"]
 
@@ -64,6 +78,42 @@ class _Placement:
     downstream_name: str | None
 
 
+class _WriteGate:
+    """Writes to one peer run side by side; renewing the connection to it (new transport
+    metadata) waits until no write is in flight, and no write starts while it runs."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self._writes = 0
+        self._renewing = False
+
+    @contextlib.asynccontextmanager
+    async def writing(self):
+        """Hold the connection for one write."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._renewing)
+            self._writes += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._writes -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def renewing(self):
+        """Hold the connection alone, to replace it."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._renewing and self._writes == 0)
+            self._renewing = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._renewing = False
+                self._changed.notify_all()
+
+
 @dataclass
 class _Downstream:
     """What the downstream neighbour announced in its ``hello`` (and later credits)."""
@@ -72,9 +122,12 @@ class _Downstream:
     slots: list[RemoteBuffer]
     free: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
     """Slots given back (in any order): the next bucket goes to whichever is free first."""
-    new_metadata: Any = None
-    """Transport metadata announced with a replaced slot, to connect with before the next
-    write."""
+    metadata: Any = None
+    """The newest transport metadata the downstream announced (with a replaced slot)."""
+    unloaded: set[int] = field(default_factory=set)
+    """Slots replaced since :attr:`metadata` was last loaded: a write into one of them
+    must wait until the connection knows their new buffers."""
+    gate: _WriteGate = field(default_factory=_WriteGate)
 
 
 class _Session:
@@ -85,9 +138,9 @@ class _Session:
     def __init__(self, engine: RingCheckpointEngine, placement: _Placement) -> None:
         self.engine = engine
         self.placement = placement
-        self.from_upstream: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.from_upstream: asyncio.Queue[BucketReady | Final | Abort] = asyncio.Queue()
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._hello: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._hello: asyncio.Future[Hello] = asyncio.get_running_loop().create_future()
         self._downstream: _Downstream | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -138,24 +191,32 @@ class _Session:
         channel = self.engine.channel
         try:
             while True:
-                message = await channel.receive()
-                if message.get("sync") != self.placement.sync_id:
+                message: RingMessage = await channel.receive()
+                if message.sync != self.placement.sync_id:
                     continue  # a leftover of an earlier, aborted sync
-                kind = message.get("kind")
-                if kind in ("bucket", "final", "abort"):
+                if isinstance(message, BucketReady | Final | Abort):
                     self.from_upstream.put_nowait(message)
-                elif kind == "hello" and not self._hello.done():
+                elif isinstance(message, Hello) and not self._hello.done():
                     self._hello.set_result(message)
-                elif kind == "credit" and self._downstream is not None:
-                    slot = message["slot"]
-                    if message.get("buffer") is not None:  # it replaced that slot's buffer
-                        self._downstream.slots[slot] = message["buffer"]
-                        self._downstream.new_metadata = message["peer"]
-                    self._downstream.free.put_nowait(slot)
+                elif isinstance(message, Credit) and self._downstream is not None:
+                    self._credit(self._downstream, message)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a malformed message: nothing else will arrive in order
+        except Exception as exc:  # a member broke the protocol: nothing else is in order
             self.fail(exc)
+
+    def _credit(self, downstream: _Downstream, credit: Credit) -> None:
+        if not 0 <= credit.slot < len(downstream.slots):
+            raise TransferError(
+                f"{self.placement.downstream_name} gave back slot {credit.slot}, but it has "
+                f"{len(downstream.slots)} slots", peer=self.placement.downstream_name,
+                stage="credit",
+            )
+        if credit.buffer is not None:  # it replaced that slot's buffer
+            downstream.slots[credit.slot] = credit.buffer
+            downstream.metadata = credit.peer
+            downstream.unloaded.add(credit.slot)
+        downstream.free.put_nowait(credit.slot)
 
     async def close(self) -> None:
         """Stop the inbox reader and every background task of this session."""
@@ -173,36 +234,36 @@ class _Session:
                     asyncio.shield(self._hello), timeout=engine.timeout,
                     on_timeout="waiting for its hello", peer=placement.downstream_name,
                 )
-                peer = await run_blocking(engine.connect_peer, hello["peer"])
-                self._downstream = _Downstream(peer, list(hello["slots"]))
+                peer = await run_blocking(engine.connect_peer, hello.peer)
+                self._downstream = _Downstream(peer, list(hello.slots), metadata=hello.peer)
                 for slot in range(len(self._downstream.slots)):
                     self._downstream.free.put_nowait(slot)
         return self._downstream
 
-    async def take_slot(
-        self, index: int, previous: asyncio.Task | None
-    ) -> tuple[_Downstream, int]:
-        """Wait until a downstream slot is free for bucket ``index``; claim it. If the
-        downstream announced new transport metadata, reconnect first, once the ``previous``
-        bucket's write (which may use the old connection) has finished."""
+    async def take_slot(self, index: int) -> tuple[_Downstream, int]:
+        """Wait until a downstream slot is free for bucket ``index``; claim it. If the slot
+        got a new buffer, load the downstream's newest transport metadata first (alone on
+        the connection: no other write uses it meanwhile)."""
         downstream = await self.downstream()
         slot = await self.wait(
             downstream.free.get(), timeout=self.engine.timeout,
             on_timeout=f"a free slot for bucket {index}", peer=self.placement.downstream_name,
         )
-        if downstream.new_metadata is not None:
-            if previous is not None:
-                await asyncio.wait({previous})  # its failure is reported by whoever awaits it
-            metadata, downstream.new_metadata = downstream.new_metadata, None
-            downstream.peer = await run_blocking(self.engine.connect_peer, metadata)
+        if slot in downstream.unloaded:
+            async with downstream.gate.renewing():
+                if slot in downstream.unloaded:  # not already loaded by another forward
+                    downstream.unloaded.clear()
+                    downstream.peer = await run_blocking(
+                        self.engine.connect_peer, downstream.metadata
+                    )
         return downstream, slot
 
-    async def send(self, endpoint: str, peer: str, message: dict[str, Any]) -> None:
-        """Send ``message`` (tagged with this sync) to a neighbour."""
-        message["sync"] = self.placement.sync_id
+    async def send(self, endpoint: str, peer: str, message: RingMessage) -> None:
+        """Send ``message`` to a neighbour."""
         await self.wait(
             self.engine.channel.send(endpoint, message, self.engine.timeout),
-            timeout=self.engine.timeout + 1, on_timeout=f"sending {message['kind']}", peer=peer,
+            timeout=self.engine.timeout + 1,
+            on_timeout=f"sending {type(message).__name__.lower()}", peer=peer,
         )
 
 
@@ -245,7 +306,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self.host = host
         self.slots = slots
         self.keep_buffers = keep_buffers
-        self._endpoints = PeerEndpoints(host, self._create_transport)
+        self._endpoints = PeerEndpoints(host, self._create_transport, RingMessage)
         self._placement: _Placement | None = None
         self._buffers: list[torch.Tensor] = []
         self._descriptors: list[RemoteBuffer] = []
@@ -259,7 +320,7 @@ class RingCheckpointEngine(CheckpointEngine):
 
     # -- shared state --------------------------------------------------------------------
     @property
-    def channel(self) -> ControlChannel:
+    def channel(self) -> ControlChannel[RingMessage]:
         """This process's control channel (bound on first use)."""
         return self._endpoints.channel
 
@@ -305,6 +366,7 @@ class RingCheckpointEngine(CheckpointEngine):
         placement = _Placement(
             position, sync_id, upstream, upstream_name, downstream, downstream_name
         )
+        self.channel.use_key(self.session_key)
         self.channel.keep_only({e for e in (upstream, downstream) if e is not None})
         self._placement = placement
         if position < 0:
@@ -329,7 +391,7 @@ class RingCheckpointEngine(CheckpointEngine):
             return TransferStats(seconds=time.perf_counter() - start)
         session = _Session(self, placement)
         packer = BucketPacker(
-            self._buffers, self.rollout_dtype, bucket_checksum if self.verify else None
+            self._buffers, self.rollout_dtype, self.bucket_checksum if self.verify else None
         )
         try:
             previous: asyncio.Task | None = None
@@ -339,14 +401,16 @@ class RingCheckpointEngine(CheckpointEngine):
                 # have left it by then
                 if previous is not None:
                     await previous  # its own waits are bounded
-                previous = session.spawn(
-                    self._forward(session, bucket.data, bucket.meta, None)
-                )
+                previous = session.spawn(self._forward(session, bucket.data, bucket.meta))
             if previous is not None:
                 await previous
+            if not packer.num_tensors:
+                raise EmptyWeightsError(
+                    f"{self.describe(placement)}: the weight stream held no tensors; a sync "
+                    "that loads nothing is refused (does iter_weights yield anything?)"
+                )
             await self._send_downstream(
-                session, {"kind": "final", "manifest": packer.manifest,
-                          "global_steps": global_steps},
+                session, Final(placement.sync_id, packer.manifest, global_steps)
             )
         except BaseException as exc:
             await self._notify_abort(session, exc)
@@ -367,7 +431,7 @@ class RingCheckpointEngine(CheckpointEngine):
         placement = self._require_placement(sender=False)
         session = _Session(self, placement)
         unpacker = BucketUnpacker(copy=False)
-        verifier = DeliveryVerifier(bucket_checksum)
+        verifier = DeliveryVerifier(self.bucket_checksum)
         upstream = placement.upstream_name
         forward: asyncio.Task | None = None
         # slots whose tensors the consumer may still view, with the forward of their bucket
@@ -381,8 +445,7 @@ class RingCheckpointEngine(CheckpointEngine):
             for index, buffer in enumerate(self._buffers):
                 if storage_refs(buffer) != self._baselines[index]:
                     await run_blocking(self._replace_buffer, index)
-            hello = {"kind": "hello", "peer": self.transport.metadata(),
-                     "slots": list(self._descriptors)}
+            hello = Hello(placement.sync_id, self.transport.metadata(), list(self._descriptors))
             await session.send(placement.upstream, upstream, hello)
             expected = 0
             while True:
@@ -392,26 +455,19 @@ class RingCheckpointEngine(CheckpointEngine):
                     session.from_upstream.get(), timeout=self.timeout,
                     on_timeout=f"waiting for bucket {expected}", peer=upstream,
                 )
-                kind = message["kind"]
-                if kind == "abort":
+                if isinstance(message, Abort):
                     raise SenderAbortedError(
                         f"{upstream} aborted the sync, so {self.describe(placement)} stops: "
-                        f"{message['reason']}"
+                        f"{message.reason}"
                     )
-                if kind == "final":
+                if isinstance(message, Final):
                     if forward is not None:
                         await forward
                     await self._send_downstream(session, message)
-                    verifier.finish(message["manifest"], incomplete=unpacker.incomplete())
+                    verifier.finish(message.manifest, incomplete=unpacker.incomplete())
                     return
-                meta: BucketMeta = message["meta"]
-                slot = message["slot"]
-                if meta.index != expected or not 0 <= slot < len(self._buffers):
-                    raise TransferError(
-                        f"{self.describe(placement)} expected bucket {expected} but {upstream} "
-                        f"announced bucket {meta.index} in slot {slot}; the ring is out of step",
-                        peer=upstream, stage=f"bucket {expected}",
-                    )
+                meta, slot = message.meta, message.slot
+                self._check_announcement(placement, meta, slot, expected)
                 expected += 1
                 data = self._buffers[slot][: meta.nbytes]
                 synchronize_device(self.device)
@@ -477,14 +533,34 @@ class RingCheckpointEngine(CheckpointEngine):
             raise WeightSyncError(f"{self.describe(placement)} cannot receive weights")
         return placement
 
+    def _check_announcement(
+        self, placement: _Placement, meta: BucketMeta, slot: int, expected: int
+    ) -> None:
+        """Refuse a bucket announcement that is out of order or does not fit its slot."""
+        upstream = placement.upstream_name
+        stage = f"bucket {expected}"
+        if meta.index != expected or not 0 <= slot < len(self._buffers):
+            raise TransferError(
+                f"{self.describe(placement)} expected bucket {expected} but {upstream} "
+                f"announced bucket {meta.index} in slot {slot}; the ring is out of step",
+                peer=upstream, stage=stage,
+            )
+        try:
+            meta.check(self._buffers[slot].numel())
+        except ValueError as exc:
+            raise TransferError(
+                f"{self.describe(placement)}: {upstream} announced a bucket that does not "
+                f"fit: {exc}", peer=upstream, stage=stage,
+            ) from exc
+
     async def _forward(
         self, session: _Session, data: torch.Tensor, meta: BucketMeta,
-        previous: asyncio.Task | None,
+        previous: asyncio.Task | None = None,
     ) -> None:
         """Write one bucket into a free downstream slot, then announce it (after the
         previous bucket's announcement, so they arrive in order)."""
         placement = session.placement
-        downstream, slot = await session.take_slot(meta.index, previous)
+        downstream, slot = await session.take_slot(meta.index)
         self._peers[placement.downstream] = downstream.peer
         stage = f"writing bucket {meta.index}"
         target = downstream.slots[slot]
@@ -496,13 +572,14 @@ class RingCheckpointEngine(CheckpointEngine):
                 peer=placement.downstream_name, stage=stage,
             )
         try:
-            await session.wait(
-                run_blocking(
-                    self.transport.write, downstream.peer, data, target.at(0, meta.nbytes),
-                    self.timeout,
-                ),
-                timeout=self.timeout + 5, on_timeout=stage, peer=placement.downstream_name,
-            )
+            async with downstream.gate.writing():
+                await session.wait(
+                    run_blocking(
+                        self.transport.write, downstream.peer, data,
+                        target.at(0, meta.nbytes), self.timeout,
+                    ),
+                    timeout=self.timeout + 5, on_timeout=stage, peer=placement.downstream_name,
+                )
         except TransferError as exc:
             if exc.peer:  # already names the peer (a timeout of this wait)
                 raise
@@ -512,7 +589,7 @@ class RingCheckpointEngine(CheckpointEngine):
             ) from exc
         if previous is not None:
             await previous
-        await self._send_downstream(session, {"kind": "bucket", "slot": slot, "meta": meta})
+        await self._send_downstream(session, BucketReady(placement.sync_id, slot, meta))
 
     async def _free_slot(
         self, session: _Session, slot: int, forward: asyncio.Task | None
@@ -521,17 +598,17 @@ class RingCheckpointEngine(CheckpointEngine):
         consumer still views its buffer, announce a fresh buffer for it instead."""
         if forward is not None:
             await forward
-        credit: dict[str, Any] = {"kind": "credit", "slot": slot}
-        if storage_refs(self._buffers[slot]) != self._baselines[slot]:
-            credit["buffer"] = await run_blocking(self._replace_buffer, slot)
-            credit["peer"] = self.transport.metadata()
         placement = session.placement
+        credit = Credit(placement.sync_id, slot)
+        if storage_refs(self._buffers[slot]) != self._baselines[slot]:
+            buffer = await run_blocking(self._replace_buffer, slot)
+            credit = Credit(placement.sync_id, slot, buffer, self.transport.metadata())
         await session.send(placement.upstream, placement.upstream_name, credit)
 
-    async def _send_downstream(self, session: _Session, message: dict[str, Any]) -> None:
+    async def _send_downstream(self, session: _Session, message: RingMessage) -> None:
         placement = session.placement
         if placement.downstream is not None:
-            await session.send(placement.downstream, placement.downstream_name, dict(message))
+            await session.send(placement.downstream, placement.downstream_name, message)
 
     async def _notify_abort(self, session: _Session, exc: BaseException) -> None:
         """Best effort: tell the downstream neighbour the sync is off, so it raises now
@@ -542,7 +619,7 @@ class RingCheckpointEngine(CheckpointEngine):
         reason = str(exc) if isinstance(exc, SenderAbortedError) else (
             f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         )
-        message = {"kind": "abort", "reason": reason, "sync": placement.sync_id}
+        message = Abort(placement.sync_id, reason)
         with contextlib.suppress(BaseException):
             await self.channel.send(placement.downstream, message, _ABORT_NOTICE_SECONDS)
 

@@ -1,0 +1,145 @@
+"""The wire format of everything a network peer can send to an engine.
+
+Control messages (the ring's bucket announcements and credits, the broadcast engines' bucket
+metadata, kimi's shares) are instances of fixed ``msgspec`` schemas, encoded as MessagePack
+and sealed with an HMAC-SHA256 tag under the sync's *session key*: a fresh random secret the
+manager hands every process of a sync through Ray (:meth:`CheckpointEngine.set_session_key
+<weightsync_core.base.CheckpointEngine.set_session_key>`). A receiver checks the tag before
+it decodes a single byte, and decodes only into the declared types (numbers, strings, bytes,
+lists, the schema's own classes and ``torch.dtype`` names from a fixed table), so nothing a
+peer sends can run code, and nothing from outside the sync is even parsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import torch
+
+from weightsync_core.errors import MalformedMessageError, UnauthenticatedMessageError
+
+__all__ = [
+    "SESSION_KEY_BYTES",
+    "MessageCodec",
+    "MessageSealer",
+    "check_session_key",
+    "new_session_key",
+]
+
+SESSION_KEY_BYTES = 32
+"""Length of the session keys the manager generates."""
+_MIN_KEY_BYTES = 16
+_TAG_BYTES = hashlib.sha256().digest_size
+_KEY_ID_BYTES = 8
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+}
+"""Every dtype torch defines, by name: the only dtypes a message can name."""
+
+M = TypeVar("M")
+
+
+def new_session_key() -> bytes:
+    """A fresh random session key (from the operating system's CSPRNG)."""
+    return secrets.token_bytes(SESSION_KEY_BYTES)
+
+
+def check_session_key(key: object) -> bytes:
+    """``key`` if it is a usable session key, else :class:`ValueError`."""
+    if not isinstance(key, bytes) or len(key) < _MIN_KEY_BYTES:
+        raise ValueError(
+            f"a session key must be at least {_MIN_KEY_BYTES} random bytes "
+            "(weightsync_core.wire.new_session_key() makes one)"
+        )
+    return key
+
+
+class MessageSealer:
+    """Seals and opens frames with HMAC-SHA256 under one session key.
+
+    A frame is ``key id || tag || body``: the key id (public, derived from the key) lets a
+    receiver tell a late message of an earlier sync from a forged one without trying keys.
+
+    Args:
+        key: the session key (at least 16 bytes).
+    """
+
+    def __init__(self, key: bytes) -> None:
+        self._key = check_session_key(key)
+        self.key_id = hmac.digest(self._key, b"key id", "sha256")[:_KEY_ID_BYTES]
+
+    @staticmethod
+    def key_id_of(frame: bytes) -> bytes:
+        """The key id a frame claims (unverified)."""
+        return frame[:_KEY_ID_BYTES]
+
+    def seal(self, body: bytes) -> bytes:
+        """``key id || tag || body``."""
+        return self.key_id + hmac.digest(self._key, body, "sha256") + body
+
+    def open(self, frame: bytes) -> bytes:
+        """The body of a frame sealed under this key.
+
+        Raises:
+            UnauthenticatedMessageError: the frame is too short or its tag does not match.
+        """
+        tag = frame[_KEY_ID_BYTES : _KEY_ID_BYTES + _TAG_BYTES]
+        body = frame[_KEY_ID_BYTES + _TAG_BYTES :]
+        expected = hmac.digest(self._key, body, "sha256")
+        if len(tag) != _TAG_BYTES or not hmac.compare_digest(tag, expected):
+            raise UnauthenticatedMessageError(
+                f"a {len(frame)}-byte message does not carry this sync's authentication tag"
+            )
+        return body
+
+    def derive(self, label: str) -> str:
+        """A hex secret derived from the key for ``label`` (e.g. the rendezvous prefix), so
+        that only members of the sync can name it."""
+        return hmac.digest(self._key, label.encode(), "sha256").hex()[:32]
+
+
+def _encode_hook(value: Any) -> Any:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise NotImplementedError(f"cannot send a {type(value).__name__} in a control message")
+
+
+def _decode_hook(kind: type, value: Any) -> Any:
+    if kind is torch.dtype:
+        if isinstance(value, str) and value in _DTYPES:
+            return _DTYPES[value]
+        raise ValueError(f"{value!r} is not a torch dtype")
+    raise NotImplementedError(f"no decoder for {kind!r}")
+
+
+class MessageCodec(Generic[M]):
+    """Encodes and validates messages of one schema (a ``msgspec`` type, usually a union of
+    tagged ``msgspec.Struct`` classes) as MessagePack.
+
+    Args:
+        schema: the type every decoded message must have.
+    """
+
+    def __init__(self, schema: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+        self._decoder = msgspec.msgpack.Decoder(schema, dec_hook=_decode_hook)
+
+    def encode(self, message: M) -> bytes:
+        """The message's bytes."""
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes) -> M:
+        """The message in ``data``.
+
+        Raises:
+            MalformedMessageError: ``data`` is not a valid message of the schema.
+        """
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedMessageError(f"malformed control message: {exc}") from exc
