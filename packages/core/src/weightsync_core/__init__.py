@@ -6,7 +6,12 @@ The names follow verl's checkpoint engine (``CheckpointEngine``, ``CheckpointEng
 
 from importlib.metadata import PackageNotFoundError, version
 
-from weightsync_core.base import CheckpointEngine, CheckpointEngineWithCache, TransferStats
+from weightsync_core.base import (
+    CheckpointEngine,
+    CheckpointEngineWithCache,
+    SyncProgress,
+    TransferStats,
+)
 from weightsync_core.bucketing import BucketMeta, BucketPacker, BucketUnpacker, TensorMeta
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import (
@@ -14,12 +19,16 @@ from weightsync_core.errors import (
     BackendNotFoundError,
     BackendNotInstalledError,
     BackendRegistrationError,
+    EmptyWeightsError,
     GroupInitTimeoutError,
+    MalformedMessageError,
+    ManifestChangedError,
     PluginError,
     SenderAbortedError,
     SyncStageError,
     SyncTimeoutError,
     TransferError,
+    UnauthenticatedMessageError,
     VerificationError,
     WeightSyncError,
 )
@@ -63,18 +72,23 @@ __all__ = [
     "CheckpointEngineWithCache",
     "CheckpointEngineWorker",
     "CheckpointEngineWorkerGroup",
+    "EmptyWeightsError",
     "GroupInitTimeoutError",
+    "MalformedMessageError",
+    "ManifestChangedError",
     "PluginError",
     "RayRolloutReplica",
     "RayWorkerGroup",
     "RolloutReplica",
     "SenderAbortedError",
     "ServerAdapter",
+    "SyncProgress",
     "SyncStageError",
     "SyncTimeoutError",
     "TensorMeta",
     "TransferError",
     "TransferStats",
+    "UnauthenticatedMessageError",
     "VerificationError",
     "WeightSyncError",
     "__version__",

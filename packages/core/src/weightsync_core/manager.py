@@ -12,12 +12,20 @@ from typing import Any, TypeVar
 import ray
 
 from weightsync_core.base import CheckpointEngineWithCache
+from weightsync_core.blame import (
+    Culprit,
+    describe_exception,
+    rank_failures,
+    stalled_processes,
+)
+from weightsync_core.blocking import retrieve_exception
 from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SenderAbortedError, SyncStageError, SyncTimeoutError
+from weightsync_core.errors import SyncStageError, SyncTimeoutError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.ray_group import RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.wire import new_session_key
 
 __all__ = ["CheckpointEngineManager", "run_sync"]
 
@@ -25,8 +33,16 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+Calls = Sequence[tuple[str, Awaitable[Any]]]
+"""One stage's calls: ``(process or replica name, awaitable)``."""
+
 _CLEANUP_SECONDS = 10.0
+"""How long the next sync waits for the clean-up calls a failed sync left running."""
+_CLEANUP_GRACE_SECONDS = 0.5
+"""How long a failing sync waits for its clean-up calls before it raises."""
 _GRACE_SECONDS = 2.0
+_PROBE_SECONDS = 1.0
+"""How long a process may take to say what it is doing before it counts as frozen."""
 _TRANSFER_STAGES = frozenset({"transfer", "finalize"})
 
 
@@ -40,20 +56,33 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def _describe(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
-        exc = cause
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return f"{type(exc).__name__}: the worker process died or is unreachable"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:600]
+class _StageRunner:
+    """Runs one sync's stages one after another under the sync's deadline, timing each."""
 
+    def __init__(self, manager: CheckpointEngineManager, deadline: float) -> None:
+        self.manager = manager
+        self.deadline = deadline
+        self.current = "abort_requests"
+        self.metrics: dict[str, float] = {}
+        self._loop = asyncio.get_running_loop()
+        self._stage_start = self._loop.time()
 
-def _is_collateral(exc: BaseException) -> bool:
-    """Errors that only echo another rank's failure (receivers told the sender aborted)."""
-    cause = getattr(exc, "cause", exc)
-    return isinstance(cause, SenderAbortedError | asyncio.CancelledError)
+    async def run(
+        self, name: str, calls: Callable[[], Calls],
+        probe: Callable[[], Calls] | None = None, own_budget: bool = False,
+    ) -> list[Any]:
+        """Run stage ``name``; ``probe`` asks its processes what they are doing if it fails
+        or times out. ``own_budget`` stages may outlive the deadline a little, so that a
+        sync whose transfer finished is not failed by its clean-up."""
+        self.current = name
+        deadline = self.deadline
+        if own_budget:
+            deadline = max(deadline, self._loop.time() + _CLEANUP_SECONDS)
+        results = await self.manager._run_stage(name, calls(), deadline, probe)
+        now = self._loop.time()
+        self.metrics[f"weightsync/seconds/{name}"] = now - self._stage_start
+        self._stage_start = now
+        return results
 
 
 class CheckpointEngineManager:
@@ -86,6 +115,7 @@ class CheckpointEngineManager:
         self.actor_wg = actor_wg
         self.replicas: list[RolloutReplica] = []
         self.stale_replicas: list[RolloutReplica] = []
+        self._cleanup: list[ray.ObjectRef] = []
         self.add_replicas(replicas)
 
     @property
@@ -108,18 +138,28 @@ class CheckpointEngineManager:
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
 
-    def update_weights_sync(self, global_steps: int | None = None) -> dict[str, float]:
+    def update_weights_sync(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
         """:meth:`update_weights` for synchronous callers."""
-        return run_sync(self.update_weights(global_steps))
+        return run_sync(self.update_weights(global_steps,
+                                            allow_manifest_change=allow_manifest_change))
 
-    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
+    async def update_weights(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
         """Move the actor's current weights to every replica; return metrics.
+
+        A sync that delivers no tensors fails, and so does one whose tensor names, shapes or
+        dtypes differ from what a replica loaded in its previous sync (it is refused before
+        the changed tensor is loaded), unless ``allow_manifest_change`` says the model's
+        layout changed on purpose.
 
         Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of the weights),
         ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps``
         and ``gbps`` (payload bytes per second).
         """
-        return await self._sync(list(self.replicas), global_steps, from_cache=False)
+        return await self._sync(list(self.replicas), global_steps, False, allow_manifest_change)
 
     def update_replicas_from_cache_sync(
         self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
@@ -143,42 +183,27 @@ class CheckpointEngineManager:
         for replica in chosen:
             if not any(replica is known for known in self.replicas):
                 raise ValueError(f"replica {replica!r} is not managed; add_replicas() first")
-        return await self._sync(chosen, global_steps, from_cache=True)
+        return await self._sync(chosen, global_steps, True, False)
 
     async def _sync(
-        self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool
+        self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
+        allow_manifest_change: bool,
     ) -> dict[str, float]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.sync_timeout_seconds
-        metrics: dict[str, float] = {}
-        stage_start = started = loop.time()
-
-        current = "abort_requests"
-
-        async def stage(
-            name: str, calls: Callable[[], Sequence[tuple[str, Awaitable[Any]]]],
-            own_budget: bool = False,
-        ) -> list[Any]:
-            """Run one stage; ``own_budget`` stages may outlive the sync deadline a little,
-            so that a sync whose transfer finished is not failed by its clean-up."""
-            nonlocal stage_start, current
-            current = name
-            limit = max(deadline, loop.time() + _CLEANUP_SECONDS) if own_budget else deadline
-            results = await self._run_stage(name, calls(), limit)
-            now = loop.time()
-            metrics[f"weightsync/seconds/{name}"] = now - stage_start
-            stage_start = now
-            return results
-
+        started = loop.time()
+        stages = _StageRunner(self, started + self.config.sync_timeout_seconds)
+        await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
         try:
             for name, method in (("abort_requests", "abort_all_requests"),
                                  ("release_kv_cache", "release_kv_cache")):
-                await stage(name, lambda method=method: self._replica_calls(replicas, method))
-            sent = await self._transfer(stage, replicas, global_steps, from_cache)
+                await stages.run(name, lambda method=method: self._replica_calls(replicas, method))
+            sent = await self._transfer(
+                stages, replicas, global_steps, from_cache, allow_manifest_change
+            )
         except BaseException as exc:
             error = exc if isinstance(exc, SyncStageError) else SyncStageError(
-                f"weight sync ({self.backend}) failed at stage {current!r}: "
-                f"{type(exc).__name__}: {exc}", stage=current,
+                f"weight sync ({self.backend}) failed at stage {stages.current!r}: "
+                f"{type(exc).__name__}: {exc}", stage=stages.current,
             )
             await asyncio.shield(self._recover(error, replicas))
             if error is exc or isinstance(exc, asyncio.CancelledError):
@@ -187,11 +212,12 @@ class CheckpointEngineManager:
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
-        await stage(
+        await stages.run(
             "resume_generation", lambda: self._replica_calls(replicas, "resume_generation"),
             own_budget=True,
         )
 
+        metrics = stages.metrics
         total = loop.time() - started
         nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
@@ -209,14 +235,18 @@ class CheckpointEngineManager:
         return metrics
 
     async def _transfer(
-        self, stage, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool
-    ):
+        self, stages: _StageRunner, replicas: list[RolloutReplica], global_steps: int | None,
+        from_cache: bool, allow_manifest_change: bool,
+    ) -> list[dict[str, Any]]:
         actor_wg = self.actor_wg
         actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
+        manifest_option = {"allow_manifest_change": True} if allow_manifest_change else {}
         if self.backend_cls.is_colocated:
-            return await stage("transfer", lambda: list(
-                zip(actor_names, actor_wg.update_weights(global_steps), strict=True)
-            ))
+            sent = await stages.run("transfer", lambda: list(zip(
+                actor_names, actor_wg.update_weights(global_steps, **manifest_option),
+                strict=True,
+            )))
+            return self._nonempty(sent, stages)
         workers = [worker for replica in replicas for worker in replica.workers]
         if not workers:
             raise SyncStageError(
@@ -233,14 +263,20 @@ class CheckpointEngineManager:
         ]
         names = actor_names + rollout_names
 
-        def both(method: str, actor_kwargs=None, rollout_kwargs=None):
-            def calls() -> list[tuple[str, Any]]:
+        def both(method: str, actor_kwargs=None, rollout_kwargs=None) -> Callable[[], Calls]:
+            def calls() -> Calls:
                 refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
                 refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
                 return list(zip(names, refs, strict=True))
             return calls
 
-        metadata = await stage("prepare", both("prepare"))
+        progress = both("sync_progress")
+        key = new_session_key()  # this sync's secret, handed to every process through Ray
+        await stages.run("authenticate", both(
+            "set_session_key", {"key": [key] * actor_wg.world_size},
+            {"key": [key] * rollout.world_size},
+        ), progress)
+        metadata = await stages.run("prepare", both("prepare"), progress)
         try:
             actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
                 actor_wg.world_size, [len(replica.workers) for replica in replicas], metadata
@@ -250,31 +286,50 @@ class CheckpointEngineManager:
                 f"weight sync ({self.backend}) failed at stage 'build_topology': "
                 f"{type(exc).__name__}: {exc}", stage="build_topology",
             ) from exc
-        await stage("init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs))
+        await stages.run(
+            "init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs),
+            progress,
+        )
         if from_cache:  # the actor ranks send nothing: the rollout workers pull the cache
-            results = await stage("transfer", lambda: list(zip(
+            results = await stages.run("transfer", lambda: list(zip(
                 rollout_names, rollout.update_weights_from_cache(global_steps), strict=True
-            )))
+            )), progress)
         else:
-            results = await stage("transfer", lambda: list(zip(
-                names, actor_wg.update_weights(global_steps) + rollout.update_weights(global_steps),
+            results = await stages.run("transfer", lambda: list(zip(
+                names,
+                actor_wg.update_weights(global_steps, **manifest_option)
+                + rollout.update_weights(global_steps, **manifest_option),
                 strict=True,
-            )))
-        await stage("finalize", both("finalize"))
+            )), progress)
+        await stages.run("finalize", both("finalize"), progress)
         # payload per receiver: the senders' counts, or (from the cache) what a worker loaded
-        return results[: actor_wg.world_size] if not from_cache else results[:1]
+        sent = results[: actor_wg.world_size] if not from_cache else results[:1]
+        return self._nonempty(sent, stages)
+
+    def _nonempty(self, sent: list[dict[str, Any]], stages: _StageRunner) -> list[dict[str, Any]]:
+        """``sent``, unless no tensor was moved (engines refuse that themselves; this guards
+        against one that does not)."""
+        if not any(result.get("num_tensors") for result in sent):
+            stages.current = "transfer"
+            raise SyncStageError(
+                f"weight sync ({self.backend}) moved no tensors; a sync that loads nothing is "
+                "refused (does the actor's weight iterator yield anything?)", stage="transfer",
+            )
+        return sent
 
     @staticmethod
     def _replica_calls(replicas: list[RolloutReplica], method: str):
         return [(f"replica {index}", getattr(r, method)()) for index, r in enumerate(replicas)]
 
     async def _run_stage(
-        self, stage: str, calls: Sequence[tuple[str, Awaitable[Any]]], deadline: float
+        self, stage: str, calls: Calls, deadline: float,
+        probe: Callable[[], Calls] | None = None,
     ) -> list[Any]:
         loop = asyncio.get_running_loop()
         tasks = [asyncio.ensure_future(call) for _, call in calls]
         if not tasks:
             return []
+        names = [name for name, _ in calls]
         done, pending = await asyncio.wait(
             tasks, timeout=max(deadline - loop.time(), 0.0),
             return_when=asyncio.FIRST_EXCEPTION,
@@ -283,31 +338,73 @@ class CheckpointEngineManager:
         if failed and pending:
             # give the other ranks a moment to report, so the root cause can be named
             await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, max(deadline - loop.time(), 0)))
-        outcomes = list(zip([name for name, _ in calls], [call for _, call in calls], tasks,
-                            strict=True))
         failures = [
-            (name, task.exception()) for name, _, task in outcomes
+            (name, task.exception()) for name, task in zip(names, tasks, strict=True)
             if task.done() and not task.cancelled() and task.exception() is not None
         ]
-        pending_names = [name for name, _, task in outcomes if not task.done()]
-        self._cancel([call for _, call, task in outcomes if not task.done()], tasks)
+        pending_names = [name for name, task in zip(names, tasks, strict=True)
+                         if not task.done()]
+        stalled: list[Culprit] = []
+        if pending_names and probe is not None:
+            stalled = await self._probe(pending_names, probe, failures)
+        self._cancel([call for (_, call), task in zip(calls, tasks, strict=True)
+                      if not task.done()], tasks)
         if failures:
-            failures.sort(key=lambda failure: _is_collateral(failure[1]))
-            name, exc = failures[0]
-            others = "; ".join(f"{other}: {_describe(e)}" for other, e in failures[1:4])
-            raise SyncStageError(
-                f"weight sync ({self.backend}) failed at stage {stage!r} on {name}: "
-                f"{_describe(exc)}" + (f". Also failed: {others}" if others else ""),
-                stage=stage, worker=name,
-            ) from exc
+            raise self._failure(stage, names, failures, stalled)
         if pending_names:
+            culprit = f"{stalled[0].name} {stalled[0].verdict}; " if stalled else ""
             raise SyncTimeoutError(
                 f"weight sync ({self.backend}) timed out at stage {stage!r} after "
-                f"{self.config.sync_timeout_seconds:.0f}s (sync_timeout_seconds); still waiting "
-                f"on: {', '.join(pending_names)}",
+                f"{self.config.sync_timeout_seconds:.0f}s (sync_timeout_seconds): {culprit}"
+                f"still waiting on: {', '.join(pending_names)}",
                 stage=stage, pending=pending_names,
+                culprit=stalled[0].name if stalled else None,
             )
         return [task.result() for task in tasks]
+
+    async def _probe(
+        self, pending: list[str], probe: Callable[[], Calls],
+        failures: list[tuple[str, BaseException]],
+    ) -> list[Culprit]:
+        """Ask the ``pending`` processes what they are doing; a process that died shows up
+        in ``failures``, one that does not answer within a second counts as frozen."""
+        asked = [(name, asyncio.ensure_future(call)) for name, call in probe()
+                 if name in pending]
+        await asyncio.wait([task for _, task in asked], timeout=_PROBE_SECONDS)
+        reports: dict[str, dict[str, Any] | None] = {}
+        for name, task in asked:
+            if not task.done():
+                task.cancel()
+                reports[name] = None
+            elif task.cancelled() or task.exception() is not None:
+                exc = task.exception() if not task.cancelled() else None
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    failures.append((name, exc))
+                else:
+                    reports[name] = None
+            else:
+                reports[name] = task.result()
+        return stalled_processes(reports)
+
+    def _failure(
+        self, stage: str, names: list[str], failures: list[tuple[str, BaseException]],
+        stalled: list[Culprit],
+    ) -> SyncStageError:
+        """The error of a failed stage, its root cause in the headline."""
+        culprit, reporter, exc = rank_failures(failures, names, stalled)
+        others = "; ".join(f"{other}: {describe_exception(e)}"
+                           for other, e in failures if other != reporter)[:1200]
+        if culprit.verdict == "failed":
+            where = f"on {reporter}: "
+        elif culprit.name == reporter:
+            where = f"{culprit.name} {culprit.verdict}: "
+        else:
+            where = f"{culprit.name} {culprit.verdict} (reported by {reporter}): "
+        return SyncStageError(
+            f"weight sync ({self.backend}) failed at stage {stage!r} {where}"
+            f"{describe_exception(exc)}" + (f". Also failed: {others}" if others else ""),
+            stage=stage, worker=culprit.name,
+        )
 
     @staticmethod
     def _cancel(calls: list[Awaitable[Any]], tasks: list[asyncio.Future]) -> None:
@@ -318,18 +415,47 @@ class CheckpointEngineManager:
         for task in tasks:
             task.cancel()
 
+    async def _settle_cleanup(self, budget: float) -> None:
+        """Wait (at most ``budget`` seconds, and :data:`_CLEANUP_SECONDS`) for the clean-up
+        a failed sync left running, so that no process starts this sync while it still
+        aborts the last one."""
+        leftovers, self._cleanup = self._cleanup, []
+        if not leftovers:
+            return
+        tasks = [asyncio.ensure_future(ref) for ref in leftovers]
+        for task in tasks:
+            task.add_done_callback(retrieve_exception)
+        limit = min(budget, _CLEANUP_SECONDS)
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        if pending:
+            logger.warning(
+                "%d clean-up call(s) of the last failed sync are still running after %.0fs; "
+                "their processes may be frozen (remove_replicas() them)", len(pending), limit,
+            )
+            for task in pending:
+                task.cancel()
+
+    async def _finish_cleanup(self, calls: list[Awaitable[Any]]) -> None:
+        """Give ``calls`` a moment; the next sync waits for the Ray calls among them (each
+        sync runs on its own event loop when called from synchronous code, so only Ray
+        object refs outlive it)."""
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        for task in tasks:
+            task.add_done_callback(retrieve_exception)
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLEANUP_GRACE_SECONDS)
+        self._cleanup += [call for call in calls if isinstance(call, ray.ObjectRef)]
+
     async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica]) -> None:
         """After a failed sync: abort the engines everywhere (dropping groups that may be
         half-used), then mark the replicas stale if bytes had started to move, else resume
-        those that do not already hold incomplete weights from an earlier failure."""
+        those that do not already hold incomplete weights from an earlier failure. Returns
+        within a second: what is still running is awaited by the next sync."""
         workers = [worker for replica in replicas for worker in replica.workers]
         cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
         with contextlib.suppress(Exception):
             cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("abort")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*cleanup, return_exceptions=True), timeout=_CLEANUP_SECONDS
-            )
+        await self._finish_cleanup(cleanup)
         if error.stage in _TRANSFER_STAGES:
             self.stale_replicas += [
                 r for r in replicas if not any(r is stale for stale in self.stale_replicas)
@@ -341,8 +467,5 @@ class CheckpointEngineManager:
             )
             return
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                asyncio.gather(*(replica.resume_generation() for replica in untouched)),
-                timeout=_CLEANUP_SECONDS,
-            )
+        await self._finish_cleanup([replica.resume_generation() for replica in untouched])
+

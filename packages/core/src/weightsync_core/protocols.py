@@ -30,8 +30,12 @@ class CheckpointEngineWorkerGroup(Protocol):
         """Call ``engine.<method>(**kwargs_i)`` on each rank ``i`` (``kwargs_i[k] = v[i]``)."""
         ...
 
-    def update_weights(self, global_steps: int | None = None) -> list[Any]:
-        """Run each rank's side of the transfer (send on actor ranks, receive on rollout)."""
+    def update_weights(self, global_steps: int | None = None, **options: Any) -> list[Any]:
+        """Run each rank's side of the transfer (send on actor ranks, receive on rollout).
+
+        The manager passes ``allow_manifest_change=True`` (forward it to each rank's
+        ``update_weights``) only when its caller announced a change of the model's layout;
+        a group that never sees it may omit the parameter."""
         ...
 
 

@@ -34,8 +34,11 @@ class RayWorkerGroup:
             for rank, worker in enumerate(self.workers)
         ]
 
-    def update_weights(self, global_steps: int | None = None) -> list[Any]:
-        return [worker.update_weights.remote(global_steps) for worker in self.workers]
+    def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> list[Any]:
+        return [worker.update_weights.remote(global_steps, allow_manifest_change)
+                for worker in self.workers]
 
     def update_weights_from_cache(self, global_steps: int | None = None) -> list[Any]:
         """Rollout workers only: load the actor side's cached weights (kimi)."""

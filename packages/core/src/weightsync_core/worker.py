@@ -9,14 +9,20 @@ from typing import Any
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, CheckpointEngineWithCache, TransferStats
+from weightsync_core.base import (
+    CheckpointEngine,
+    CheckpointEngineWithCache,
+    SyncProgress,
+    TransferStats,
+)
 from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import WeightsSource
+from weightsync_core.bucketing import WeightsSource, iter_named_tensors
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import WeightSyncError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import ServerAdapter
 from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.verification import ManifestGuard
 
 __all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine"]
 
@@ -50,8 +56,12 @@ async def _deliver(
     adapter: ServerAdapter | None,
     weights: AsyncIterator[tuple[str, torch.Tensor]],
     global_steps: int | None,
+    guard: ManifestGuard,
+    progress: SyncProgress,
 ) -> TransferStats:
-    """Feed received weights to ``adapter`` while counting them; check it consumed them all."""
+    """Feed received weights to ``adapter`` while counting them and checking each against
+    the previous sync's (``guard``: a changed tensor is refused before the server sees it;
+    an empty stream fails); check the adapter consumed them all."""
     if adapter is None:
         raise WeightSyncError(
             "this worker has no server adapter to load weights into; pass server_adapter= or "
@@ -62,15 +72,25 @@ async def _deliver(
 
     async def counted() -> AsyncIterator[tuple[str, torch.Tensor]]:
         nonlocal exhausted
+        progress.enter("receiving")
         async for name, tensor in weights:
+            guard.check(name, tensor)
             stats.num_tensors += 1
             stats.nbytes += tensor.numel() * tensor.element_size()
+            progress.enter("loading")
             yield name, tensor
+            progress.tensors += 1
+            progress.enter("receiving")
+        guard.finish()
         exhausted = True
 
     loop = asyncio.get_running_loop()
     start = loop.time()
-    await adapter.update_weights(counted(), global_steps=global_steps)
+    progress.tensors = 0
+    try:
+        await adapter.update_weights(counted(), global_steps=global_steps)
+    finally:
+        progress.enter("idle")
     if not exhausted:
         raise WeightSyncError(
             f"{type(adapter).__name__}.update_weights returned after {stats.num_tensors} "
@@ -78,6 +98,23 @@ async def _deliver(
         )
     stats.seconds = loop.time() - start
     return stats
+
+
+async def _produced(
+    weights: WeightsSource, progress: SyncProgress
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """``weights``, noting in ``progress`` whether the engine waits for the iterator
+    (``producing``) or the iterator for the engine (``sending``)."""
+    progress.tensors = 0
+    progress.enter("producing")
+    try:
+        async for item in iter_named_tensors(weights):
+            progress.enter("sending")
+            yield item
+            progress.tensors += 1
+            progress.enter("producing")
+    finally:
+        progress.enter("idle")
 
 
 class CheckpointEngineWorker:
@@ -101,22 +138,25 @@ class CheckpointEngineWorker:
         self.server_adapter = server_adapter
         self.weights_version: int | None = None
         self.update_complete = True
+        self.manifest_guard = ManifestGuard()
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
         return await _execute(self.checkpoint_engine, method, kwargs)
 
-    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
-        """Receive one version of the weights and load it into the server."""
-        self.update_complete = False
-        stats = await _deliver(
-            self.server_adapter, self.checkpoint_engine.receive_weights(global_steps), global_steps
-        )
-        self.update_complete = True
-        self.weights_version = global_steps
-        return stats.as_dict()
+    async def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Receive one version of the weights and load it into the server. Unless
+        ``allow_manifest_change``, a tensor whose name, shape or dtype differs from the
+        previous update's is refused (:class:`~weightsync_core.errors.ManifestChangedError`)."""
+        engine = self.checkpoint_engine
+        return await self._load(engine.receive_weights(global_steps), global_steps,
+                                allow_manifest_change)
 
-    async def update_weights_from_cache(self, global_steps: int | None = None) -> dict[str, float]:
+    async def update_weights_from_cache(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
         """Load the actor side's cached latest weights (engines with a cache only)."""
         engine = self.checkpoint_engine
         if not isinstance(engine, CheckpointEngineWithCache):
@@ -124,8 +164,16 @@ class CheckpointEngineWorker:
                 f"backend {self.config.backend!r} keeps no cache of the latest weights; "
                 "new replicas get them from the next update_weights"
             )
+        return await self._load(engine.get_weights(), global_steps, allow_manifest_change)
+
+    async def _load(
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None,
+        allow_manifest_change: bool,
+    ) -> dict[str, float]:
         self.update_complete = False
-        stats = await _deliver(self.server_adapter, engine.get_weights(), global_steps)
+        self.manifest_guard.start(allow_change=allow_manifest_change)
+        stats = await _deliver(self.server_adapter, weights, global_steps, self.manifest_guard,
+                               self.checkpoint_engine.progress)
         self.update_complete = True
         self.weights_version = global_steps
         return stats.as_dict()
@@ -164,6 +212,7 @@ class ActorCheckpointEngineMixin:
 
     checkpoint_engine: CheckpointEngine
     colocated_server_adapter: ServerAdapter | None = None
+    colocated_manifest_guard: ManifestGuard
 
     def init_checkpoint_engine(
         self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
@@ -171,6 +220,7 @@ class ActorCheckpointEngineMixin:
         """Build this process's engine (importing ``custom_backend_module`` first)."""
         self.checkpoint_engine = build_engine(config)
         self.colocated_server_adapter = server_adapter
+        self.colocated_manifest_guard = ManifestGuard()
 
     def iter_weights(self) -> WeightsSource:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
@@ -180,12 +230,19 @@ class ActorCheckpointEngineMixin:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
         return await _execute(self.checkpoint_engine, method, kwargs)
 
-    async def update_weights(self, global_steps: int | None = None) -> dict[str, float]:
-        """Send this rank's weights (and, colocated, load them into the local server)."""
+    async def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Send this rank's weights (and, colocated, load them into the local server, where
+        ``allow_manifest_change`` applies as on :class:`CheckpointEngineWorker`)."""
         engine = self.checkpoint_engine
-        stats = await engine.send_weights(self.iter_weights(), global_steps)
+        stats = await engine.send_weights(_produced(self.iter_weights(), engine.progress),
+                                          global_steps)
         if engine.is_colocated:
+            guard = self.colocated_manifest_guard
+            guard.start(allow_change=allow_manifest_change)
             stats = await _deliver(
-                self.colocated_server_adapter, engine.receive_weights(global_steps), global_steps
+                self.colocated_server_adapter, engine.receive_weights(global_steps), global_steps,
+                guard, engine.progress,
             )
         return stats.as_dict()

@@ -1,0 +1,120 @@
+"""Naming the process behind a failed sync.
+
+When a sync fails, most processes fail with it: receivers hear that the sender aborted, a
+sender's write fails because its receiver died. The manager collects every failure (and,
+for processes that never answered, what they were doing) and puts the root cause in the
+headline: a process that died, then one that stopped making progress or sent bad data, then
+transport errors (which usually only echo one of those), then pure echoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from weightsync_core.errors import GroupInitTimeoutError, SenderAbortedError, TransferError
+
+__all__ = ["Culprit", "describe_exception", "rank_failures", "stalled_processes"]
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The process a failed sync blames, and why."""
+
+    name: str
+    """As the manager names processes: ``"actor_wg rank 0"``, ``"rollout rank 2 (...)"``."""
+    verdict: str
+    """What it did, e.g. ``"died"``, ``"stopped responding (...)"``."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"Type: first line"`` of an error (the cause, for errors that crossed Ray)."""
+    exc = _cause(exc)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return f"{type(exc).__name__}: the worker process died or is unreachable"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:600]
+
+
+def _cause(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        return cause
+    return exc
+
+
+def _is_death(exc: BaseException) -> bool:
+    return isinstance(exc, ray.exceptions.RayActorError)
+
+
+def _priority(exc: BaseException) -> int:
+    """0: a process died; 1: its own fault (bad data, a failing iterator or server); 2: a
+    transport error (usually a symptom); 3: an echo of another rank's failure."""
+    if _is_death(exc):
+        return 0
+    cause = _cause(exc)
+    if isinstance(cause, SenderAbortedError | asyncio.CancelledError | GroupInitTimeoutError):
+        return 3
+    if isinstance(cause, TransferError):
+        return 2
+    return 1
+
+
+def _manager_name(peer: str, names: Sequence[str]) -> str | None:
+    """The manager's name for a process an engine calls ``actor rank N`` / ``rollout rank N``."""
+    match = re.fullmatch(r"(actor|rollout) rank (\d+)", peer.strip())
+    if match is None:
+        return None
+    prefix = "actor_wg rank" if match[1] == "actor" else "rollout rank"
+    wanted = f"{prefix} {match[2]}"
+    return next((name for name in names if name == wanted or name.startswith(f"{wanted} (")),
+                None)
+
+
+def rank_failures(
+    failures: Sequence[tuple[str, BaseException]], names: Sequence[str],
+    stalled: Sequence[Culprit] = (),
+) -> tuple[Culprit, str, BaseException]:
+    """The root cause among ``failures`` (``(process, error)``): returns the culprit, the
+    process that reported it and its error. ``names`` are every process of the stage. A
+    process that stopped making progress (``stalled``) is the culprit when the failures
+    are only transport errors or echoes (they are what its neighbours saw)."""
+    reporter, exc = min(failures, key=lambda failure: _priority(failure[1]))
+    if stalled and _priority(exc) >= 2:
+        return stalled[0], reporter, exc
+    if _is_death(exc):
+        return Culprit(reporter, "died"), reporter, exc
+    source = getattr(_cause(exc), "source", "")
+    sender = _manager_name(source, names) if source else None
+    if sender is not None and sender != reporter:
+        return Culprit(sender, f"sent data that failed verification on {reporter}"), reporter, exc
+    return Culprit(reporter, "failed"), reporter, exc
+
+
+def stalled_processes(progress: dict[str, dict[str, Any] | None]) -> list[Culprit]:
+    """Processes that stopped making progress, worst first, from what each reported when
+    asked (``None``: it did not answer in time)."""
+    silent = [Culprit(name, "stopped responding (frozen, or its event loop is blocked)")
+              for name, report in progress.items() if report is None]
+    busy = sorted(
+        ((report["seconds"], name, report) for name, report in progress.items()
+         if report is not None and report.get("state") in _STUCK_STATES),
+        key=lambda entry: -entry[0],
+    )
+    return silent + [
+        Culprit(name, _STUCK_STATES[report["state"]].format(
+            seconds=seconds, tensor=report.get("tensors", 0) + 1))
+        for seconds, name, report in busy
+    ]
+
+
+_STUCK_STATES = {
+    "loading": "stopped making progress: its server has held tensor #{tensor} for {seconds:.0f}s",
+    "producing": "stopped making progress: its weights iterator produced nothing for "
+                 "{seconds:.0f}s",
+}
