@@ -8,6 +8,7 @@ of every received tensor (and can be told to stall or die).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.testing.resources import process_resources
 from weightsync_core.testing.weights import (
     Faults,
     TensorDigest,
@@ -32,7 +34,8 @@ class RecordingServerAdapter:
     """A stand-in inference server that keeps a digest of each received tensor.
 
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
-    forever (simulating a crashed or hung inference server). ``keep``: hold on to every
+    forever (simulating a crashed or hung inference server). ``delay_per_tensor``: seconds
+    to spend on each tensor (a slow server). ``keep``: hold on to every
     received tensor, across updates, like a server that adopts the engine's tensors as its
     parameters; :meth:`changed_kept_tensors` tells which of them were overwritten since.
     """
@@ -43,6 +46,7 @@ class RecordingServerAdapter:
         self.lifecycle: list[str] = []
         self.die_after: int | None = None
         self.stall_after: int | None = None
+        self.delay_per_tensor = 0.0
         self.discard = False
         self.keep = False
         self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest]] = {}
@@ -56,6 +60,8 @@ class RecordingServerAdapter:
                 os._exit(1)
             if self.stall_after is not None and len(received) >= self.stall_after:
                 await asyncio.sleep(3600)
+            if self.delay_per_tensor:
+                await asyncio.sleep(self.delay_per_tensor)
             received[name] = None if self.discard else digest(tensor)
             if self.keep:
                 self.kept[(global_steps, name)] = (tensor, received[name])
@@ -89,11 +95,14 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         stall_after: int | None = None,
         discard: bool = False,
         keep: bool = False,
+        delay_per_tensor: float = 0.0,
     ) -> None:
-        """Make the server die or stall after that many tensors (``None``: behave), skip
-        digests (``discard``), or keep every tensor until the update ends (``keep``)."""
+        """Make the server die or stall after that many tensors (``None``: behave), take
+        ``delay_per_tensor`` seconds per tensor, skip digests (``discard``), or keep every
+        tensor until the update ends (``keep``)."""
         self.server_adapter.die_after = die_after
         self.server_adapter.stall_after = stall_after
+        self.server_adapter.delay_per_tensor = delay_per_tensor
         self.server_adapter.discard = discard
         self.server_adapter.keep = keep
         if not keep:
@@ -111,6 +120,10 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
             + type(self.checkpoint_engine).__qualname__,
             "pid": os.getpid(),
         }
+
+    def resources(self) -> dict[str, object]:
+        """What this process holds (see :func:`process_resources`)."""
+        return process_resources()
 
 
 class WeightSourceActor(ActorCheckpointEngineMixin):
@@ -143,6 +156,26 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
     def iter_weights(self) -> WeightsSource:
         self.weight_streams += 1
         return faulty_stream(self.weights, self.faults)
+
+    def corrupt_checksum(self, bucket: int | None) -> None:
+        """From now on, announce a wrong checksum for the ``bucket``-th bucket this rank
+        packs (its bytes and its checksum disagree, as after corruption in memory or on the
+        wire); ``None`` restores the engine's own checksum."""
+        engine = self.checkpoint_engine
+        engine.__dict__.pop("bucket_checksum", None)
+        if bucket is None:
+            return
+        true_checksum, calls = engine.bucket_checksum, itertools.count()
+
+        def corrupted(data):
+            value = true_checksum(data)
+            return value ^ 1 if next(calls) == bucket else value
+
+        engine.bucket_checksum = corrupted
+
+    def resources(self) -> dict[str, object]:
+        """What this process holds (see :func:`process_resources`)."""
+        return process_resources()
 
     def report(self) -> dict[str, Any]:
         """What the colocated server received (colocated engines only)."""

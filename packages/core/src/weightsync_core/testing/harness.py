@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,14 +42,46 @@ class SyncHarness:
         self.config = config
         load_custom_backend_module(config.custom_backend_module)
         self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
-        source = ray.remote(**self.actor_options)(WeightSourceActor)
-        self.actors = [source.remote(config) for _ in range(actor_world_size)]
+        self._source = ray.remote(**self.actor_options)(WeightSourceActor)
+        self.actors = [self._source.remote(config) for _ in range(actor_world_size)]
         self.actor_wg = RayWorkerGroup(self.actors)
         self.replicas: list[RayRolloutReplica] = []
         if not self.colocated:
             self.replicas = [self.new_replica(size, name=f"replica{i}")
                              for i, size in enumerate(replica_sizes)]
         ray.get([actor.report.remote() for actor in self.actors])
+        self._ray_ports = self._listening(self.workers())  # before any engine listens
+
+    @staticmethod
+    def _listening(workers: Sequence[Any]) -> dict[int, set[str]]:
+        reports = ray.get([worker.resources.remote() for worker in workers])
+        pids = ray.get([worker.report.remote() for worker in workers])
+        return {pid["pid"]: set(report["listening"]) for pid, report in zip(
+            pids, reports, strict=True)}
+
+    def engine_ports(self) -> dict[int, list[int]]:
+        """Per process (by pid) of the harness's first actors and replicas: the TCP ports
+        it listens on beyond Ray's own."""
+        return {
+            pid: sorted(int(address.rsplit(":", 1)[1])
+                        for address in addresses - self._ray_ports.get(pid, set()))
+            for pid, addresses in self._listening(self.workers()).items()
+        }
+
+    def replace_actor(self, rank: int) -> None:
+        """Start a new process for actor rank ``rank`` (after the old one died or was
+        killed); managers made from now on use it."""
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[rank])
+        self.actors[rank] = self._source.remote(self.config)
+        self.actor_wg = RayWorkerGroup(self.actors)
+        self._ray_ports.update(self._listening([self.actors[rank]]))
+
+    def workers(self, replicas: Sequence[RayRolloutReplica] | None = None) -> list[Any]:
+        """Every process of the harness: actor ranks, then the rollout workers of
+        ``replicas`` (default: all)."""
+        chosen = self.replicas if replicas is None else replicas
+        return [*self.actors, *(w for replica in chosen for w in replica.workers)]
 
     def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
         """Start a replica of ``size`` rollout workers."""

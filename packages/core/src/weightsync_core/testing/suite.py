@@ -14,6 +14,12 @@ bit-exact delivery (digests of every tensor) or the failure behaviour.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -45,6 +51,12 @@ class _ConformanceBase:
     """Workers per replica: one single-worker replica and one of two (3 workers in all)."""
     ray_actor_options: ClassVar[dict[str, Any]] = {}
     """Extra ``ray.remote`` options of every actor (``{"num_gpus": 1}`` for device engines)."""
+    soak_syncs: ClassVar[int] = 200
+    """Syncs of the soak test (each of a small state dict)."""
+    soak_bounds: ClassVar[dict[str, float]] = {
+        "fds": 8, "threads": 4, "established": 2, "rss": 96 << 20,
+    }
+    """How much each process may gain over the soak (after a warm-up)."""
 
     @classmethod
     def make_config(cls, **overrides: Any) -> CheckpointEngineConfig:
@@ -96,7 +108,41 @@ class _ConformanceBase:
     def test_thousands_of_tiny_tensors(self, harness: SyncHarness) -> None:
         expected = harness.set_weights(seed=2, profile="tiny")
         assert len(expected) >= 3000
-        harness.manager().update_weights_sync(global_steps=2)
+        manager = harness.manager()
+        manager.update_weights_sync(global_steps=2, allow_manifest_change=True)
+        self.assert_delivered(harness, expected)
+        self._restore_standard_layout(harness, manager)
+
+    def _restore_standard_layout(self, harness: SyncHarness, manager) -> None:
+        """Sync the standard weights again, announcing the change of layout."""
+        expected = harness.set_weights(seed=98)
+        manager.update_weights_sync(global_steps=98, allow_manifest_change=True)
+        self.assert_delivered(harness, expected)
+
+    def test_empty_weight_stream_fails_and_blames_the_sender(self, harness: SyncHarness) -> None:
+        harness.set_weights(seed=6, faults=Faults(empty=True))
+        manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+        with pytest.raises(SyncStageError, match="no tensors") as info:
+            manager.update_weights_sync(global_steps=6)
+        assert info.value.worker == "actor_wg rank 0", str(info.value)
+        assert all(6 not in report["global_steps"] for report in harness.reports())
+        self._recovers(harness)
+
+    def test_changed_manifest_is_refused_unless_the_caller_allows_it(
+        self, harness: SyncHarness
+    ) -> None:
+        manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+        harness.set_weights(seed=7)
+        manager.update_weights_sync(global_steps=7)
+        harness.set_weights(seed=8, faults=Faults(reshape="model.embed.weight"))
+        pattern = r"'model\.embed\.weight' changed from shape \[97, 33\] float32 to shape \[3201\]"
+        with pytest.raises(SyncStageError, match=pattern):
+            manager.update_weights_sync(global_steps=8)
+        assert all(8 not in report["global_steps"] for report in harness.reports())
+        manager.update_weights_sync(global_steps=9, allow_manifest_change=True)
+        assert all(report["global_steps"][-1] == 9 for report in harness.reports())
+        expected = harness.set_weights(seed=10)
+        manager.update_weights_sync(global_steps=10, allow_manifest_change=True)
         self.assert_delivered(harness, expected)
 
     def test_consecutive_syncs_with_changing_global_steps(self, harness: SyncHarness) -> None:
@@ -213,23 +259,34 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
             for worker in newcomer.workers:
                 ray.kill(worker)
 
+    # -- failures: who is blamed, and how fast ---------------------------------------------
     def _sync_with_a_broken_replica(
-        self, harness: SyncHarness, error: type[Exception], timeout: float, **faults: int
+        self, harness: SyncHarness, error: type[Exception], timeout: float,
+        during=None, **faults: Any,
     ):
-        """Sync a healthy replica plus a new one whose server misbehaves as ``faults`` says;
-        check the sync raises ``error`` within the timeout. Returns the manager, the healthy
-        and the broken replica, and the error."""
+        """Sync a healthy replica plus a new one whose server misbehaves as ``faults`` says
+        (``during(broken)`` runs on a thread while the sync runs); check the sync raises
+        ``error`` blaming the broken worker. Returns the manager, the healthy and the broken
+        replica, the error and the seconds it took."""
         broken = harness.new_replica(1, name="broken")
         ray.get(broken.workers[0].set_faults.remote(**faults))
         healthy = harness.replicas[0]
         manager = harness.manager([healthy, broken], sync_timeout_seconds=timeout)
         harness.set_weights(seed=23)
+        helper = threading.Thread(target=during, args=(broken,)) if during else None
         start = time.monotonic()
-        with pytest.raises(error) as info:
-            manager.update_weights_sync(global_steps=23)
-        assert time.monotonic() - start < timeout + 15
-        assert info.value.stage == "transfer"
-        return manager, healthy, broken, info.value
+        if helper:
+            helper.start()
+        try:
+            with pytest.raises(error) as info:
+                manager.update_weights_sync(global_steps=23)
+        finally:
+            if helper:
+                helper.join(60)
+        elapsed = time.monotonic() - start
+        assert info.value.stage == "transfer", str(info.value)
+        assert info.value.worker == "rollout rank 1 (replica 1, worker 0)", str(info.value)
+        return manager, healthy, broken, info.value, elapsed
 
     def _survivors_sync(self, harness: SyncHarness, manager, healthy, broken) -> None:
         manager.remove_replicas([broken])
@@ -238,23 +295,160 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         assert manager.stale_replicas == []
         self.assert_delivered(harness, expected, [healthy])
 
-    def test_stalled_receiver_times_out_instead_of_hanging(self, harness: SyncHarness) -> None:
-        manager, healthy, broken, error = self._sync_with_a_broken_replica(
+    def test_stalled_receiver_is_blamed_within_the_timeout(self, harness: SyncHarness) -> None:
+        manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncTimeoutError, timeout=8, stall_after=5
         )
+        assert "rollout rank 1 (replica 1, worker 0) stopped making progress" in str(error)
         assert "rollout rank 1 (replica 1, worker 0)" in error.pending
+        assert elapsed < 8 + 2, f"detected after {elapsed:.1f}s"
         assert manager.stale_replicas == [healthy, broken]
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
 
-    def test_receiver_that_dies_fails_the_sync_then_survivors_sync(
+    def test_frozen_receiver_is_blamed_within_the_timeout(self, harness: SyncHarness) -> None:
+        def freeze(broken) -> None:
+            worker = broken.workers[0]
+            pid = ray.get(worker.report.remote())["pid"]
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # freeze it mid-sync, after a few tensors
+                progress = ray.get(worker.execute_checkpoint_engine.remote("sync_progress"))
+                if progress["tensors"] >= 3:
+                    break
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+
+        frozen: list[int] = []
+        try:
+            manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
+                harness, SyncTimeoutError, timeout=8, during=freeze, delay_per_tensor=0.05
+            )
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert frozen, "the receiver finished before it could be frozen"
+        assert "rollout rank 1 (replica 1, worker 0) stopped responding" in str(error)
+        assert elapsed < 8 + 2, f"detected after {elapsed:.1f}s"
+        ray.kill(broken.workers[0])
+        self._survivors_sync(harness, manager, healthy, broken)
+
+    def test_slow_receiver_past_the_timeout_is_blamed(self, harness: SyncHarness) -> None:
+        manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
+            harness, SyncTimeoutError, timeout=6, delay_per_tensor=1.0
+        )
+        assert "rollout rank 1 (replica 1, worker 0) stopped making progress" in str(error)
+        assert elapsed < 6 + 2, f"detected after {elapsed:.1f}s"
+        ray.kill(broken.workers[0])
+        self._survivors_sync(harness, manager, healthy, broken)
+
+    def test_receiver_that_dies_is_blamed_then_survivors_sync(
         self, harness: SyncHarness
     ) -> None:
-        manager, healthy, broken, error = self._sync_with_a_broken_replica(
+        manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncStageError, timeout=30, die_after=5
         )
-        assert "replica 1" in str(error)
+        assert "rollout rank 1 (replica 1, worker 0) died" in str(error)
+        assert elapsed < 30 / 2, f"detected after {elapsed:.1f}s"
         self._survivors_sync(harness, manager, healthy, broken)
+
+    def test_sender_that_dies_is_blamed(self, harness: SyncHarness) -> None:
+        harness.set_weights(seed=12)
+        ray.get(harness.actors[0].set_weights.remote(12, faults=Faults(die_after=50)))
+        manager = harness.manager(sync_timeout_seconds=30)
+        start = time.monotonic()
+        try:
+            with pytest.raises(SyncStageError) as info:
+                manager.update_weights_sync(global_steps=12)
+            elapsed = time.monotonic() - start
+        finally:
+            harness.replace_actor(0)
+        assert info.value.worker == "actor_wg rank 0", str(info.value)
+        assert "actor_wg rank 0 died" in str(info.value)
+        assert elapsed < 30 / 2, f"detected after {elapsed:.1f}s"
+        self._recovers(harness)
+
+    def test_corrupted_bucket_is_refused_and_blames_its_sender(
+        self, harness: SyncHarness
+    ) -> None:
+        harness.set_weights(seed=13)
+        manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+        ray.get(harness.actors[0].corrupt_checksum.remote(0))
+        start = time.monotonic()
+        try:
+            with pytest.raises(SyncStageError, match="is corrupt") as info:
+                manager.update_weights_sync(global_steps=13)
+        finally:
+            ray.get(harness.actors[0].corrupt_checksum.remote(None))
+        elapsed = time.monotonic() - start
+        assert info.value.worker == "actor_wg rank 0", str(info.value)
+        assert "actor_wg rank 0 sent data that failed verification" in str(info.value)
+        assert elapsed < self.failure_timeout_seconds, f"detected after {elapsed:.1f}s"
+        self._recovers(harness)
+
+    # -- security and endurance ------------------------------------------------------------
+    def test_outsider_can_neither_run_code_nor_join_and_syncs_stay_exact(
+        self, harness: SyncHarness, tmp_path
+    ) -> None:
+        manager = harness.manager()
+        harness.set_weights(seed=40)
+        manager.update_weights_sync(global_steps=40)  # every engine listens now
+        ports = sorted({port for ports in harness.engine_ports().values() for port in ports})
+        assert ports, "the engines listen on no port: nothing to attack"
+        marker = tmp_path / "outsider-ran-code"
+        outsider = subprocess.Popen(
+            [sys.executable, "-m", "weightsync_core.testing.outsider", "127.0.0.1",
+             ",".join(map(str, ports)), str(marker), "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        try:
+            # it has hit every port once; it goes on during and between the syncs
+            assert outsider.stdout.readline().strip() == "ready"
+            for step in (41, 42, 43):
+                expected = harness.set_weights(seed=step)
+                manager.update_weights_sync(global_steps=step)
+                self.assert_delivered(harness, expected)
+        finally:
+            outsider.send_signal(signal.SIGTERM)
+            output, _ = outsider.communicate(timeout=60)
+        report = json.loads(output.strip().splitlines()[-1])
+        assert report["rounds"] >= 1
+        assert not marker.exists(), "a payload from the outsider ran in an engine process"
+        assert report["keys_found"] == [], report
+
+    def test_soak_keeps_resources_flat_and_close_frees_every_port(self) -> None:
+        # a deployment of its own: waits of earlier failed syncs may still hold sockets of
+        # the shared one (a gloo wait cannot be interrupted; it ends at the engine timeout)
+        harness = SyncHarness(self.make_config(), self.actor_world_size, self.replica_sizes,
+                              self.ray_actor_options)
+        try:
+            self._soak(harness)
+        finally:
+            harness.shutdown()
+
+    def _soak(self, harness: SyncHarness) -> None:
+        workers = harness.workers()
+        ray.get([actor.set_uniform_weights.remote(256 << 10, 8) for actor in harness.actors])
+        manager = harness.manager()
+        manager.update_weights_sync(global_steps=0, allow_manifest_change=True)
+        for step in range(1, 11):  # warm-up: buffers, connections, caches
+            manager.update_weights_sync(global_steps=step)
+        before = ray.get([worker.resources.remote() for worker in workers])
+        start = time.monotonic()
+        for step in range(11, 11 + self.soak_syncs):
+            manager.update_weights_sync(global_steps=step)
+        seconds = time.monotonic() - start
+        after = ray.get([worker.resources.remote() for worker in workers])
+        growth = {key: max(b[key] - a[key] for a, b in zip(before, after, strict=True))
+                  for key in self.soak_bounds}
+        print(f"soak {self.backend}: {self.soak_syncs} syncs in {seconds:.1f}s, worst growth "
+              f"per process {growth}, start {before[0]} / {before[-1]}")
+        for key, bound in self.soak_bounds.items():
+            assert growth[key] <= bound, f"{key} grew by {growth[key]} over the soak: {growth}"
+        ray.get([ref for worker in workers
+                 for ref in [worker.execute_checkpoint_engine.remote("close")]])
+        left = {pid: ports for pid, ports in harness.engine_ports().items() if ports}
+        assert not left, f"listening after close: {left}"
 
 
 class ColocatedEngineConformanceTests(_ConformanceBase):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -95,16 +96,26 @@ class Faults:
     raise_after: int | None = None
     duplicate_name: bool = False
     non_tensor: bool = False
+    empty: bool = False
+    """Yield nothing at all."""
+    die_after: int | None = None
+    """Kill the sending process after that many tensors."""
+    reshape: str | None = None
+    """Send this tensor flattened (a changed manifest)."""
 
 
 def faulty_stream(
     weights: Mapping[str, torch.Tensor], faults: Faults
 ) -> Iterator[tuple[str, object]]:
     """Yield ``weights`` as pairs, misbehaving as ``faults`` says."""
+    if faults.empty:
+        return
     for index, (name, tensor) in enumerate(weights.items()):
         if faults.raise_after is not None and index == faults.raise_after:
             raise RuntimeError(f"injected failure in the weight generator after {index} tensors")
-        yield name, tensor
+        if faults.die_after is not None and index == faults.die_after:
+            os._exit(1)
+        yield name, tensor.reshape(-1) if name == faults.reshape else tensor
         if index == 3 and faults.duplicate_name:
             yield name, tensor
         if index == 3 and faults.non_tensor:

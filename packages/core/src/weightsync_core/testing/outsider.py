@@ -1,0 +1,144 @@
+"""An outsider on the cluster network, for security tests: a separate process, holding no
+session key, that throws what an attacker would at every port an engine listens on.
+
+Run it as ``python -m weightsync_core.testing.outsider HOST PORTS MARKER SECONDS``; it prints
+``ready`` once it has attacked every port, then keeps going, and prints a JSON report when
+it is done (or when it gets SIGTERM). Every payload that reaches a decoder able to run code
+creates the file ``MARKER``; the test asserts it never appears.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+
+__all__ = ["attack"]
+
+_GUESSED_KEYS = [
+    *(f"weightsync/arrived/{rank}" for rank in range(4)),
+    *(f"weightsync/control/{rank}" for rank in range(4)),
+    "weightsync/data/0",
+]
+"""Rendezvous keys as weightsync 0.2.0 named them (an outsider's best guess)."""
+
+
+class _Payload:
+    """Unpickling this creates the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _payloads(marker: str) -> list[bytes]:
+    pickled = pickle.dumps({"kind": "credit", "sync": "x", "slot": 0, "x": _Payload(marker)})
+    return [pickled, b"\x00" * 64 + pickled, os.urandom(256), b"\xff" * 40]
+
+
+def _raw_tcp(host: str, port: int, data: bytes) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as sock:
+            sock.sendall(data)
+    except OSError:
+        pass
+
+
+def _zmq_push(context, host: str, port: int, frames: list[bytes]) -> None:
+    import zmq
+
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDTIMEO, 200)
+    try:
+        push.connect(f"tcp://{host}:{port}")
+        for frame in frames:
+            try:
+                push.send(frame)
+            except zmq.Again:
+                break
+    finally:
+        push.close(linger=0)
+
+
+def _store_probe(host: str, port: int, written: set[str]) -> dict[str, object]:
+    """Join ``port`` as a TCPStore client; try to read rendezvous state (keys it did not
+    write itself: ``written``) and to claim every rank. A port that is no store may never
+    answer the client's handshake: given up after 2 s."""
+    result: dict[str, object] = {}
+
+    def probe() -> None:
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+        except Exception:  # not a store
+            return
+        found = [key for key in _GUESSED_KEYS
+                 if key not in written and _quiet(store.check, [key])]
+        for rank in range(4):  # claim every rank (a write may land: it costs nothing to try)
+            written.add(f"weightsync/arrived/{rank}")
+            _quiet(store.set, f"weightsync/arrived/{rank}", "1")
+        result.update(store=True, keys_found=found)
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(2.0)
+    return dict(result)
+
+
+def _quiet(function, *args):
+    try:
+        return function(*args)
+    except Exception:
+        return None
+
+
+def attack(
+    host: str, ports: list[int], marker: str, seconds: float, stop: dict[str, bool]
+) -> dict[str, object]:
+    """Attack every port in rounds for ``seconds`` (or until ``stop["now"]``); returns what
+    was learned: ``stores`` (ports that spoke the TCPStore protocol) and ``keys_found``
+    (rendezvous keys the outsider could read)."""
+    import zmq
+
+    context = zmq.Context()
+    report: dict[str, object] = {"rounds": 0, "stores": [], "keys_found": []}
+    written: dict[int, set[str]] = {}
+    deadline = time.monotonic() + seconds
+    try:
+        while not stop["now"] and time.monotonic() < deadline:
+            for port in ports:
+                payloads = _payloads(marker)
+                _zmq_push(context, host, port, payloads)
+                for payload in payloads:
+                    _raw_tcp(host, port, payload)
+                probe = _store_probe(host, port, written.setdefault(port, set()))
+                if probe.get("store") and port not in report["stores"]:
+                    report["stores"].append(port)
+                report["keys_found"] += probe.get("keys_found", [])
+            report["rounds"] += 1
+            if report["rounds"] == 1:
+                print("ready", flush=True)
+    finally:
+        context.term()
+    return report
+
+
+if __name__ == "__main__":
+    stopping = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.update(now=True))
+    host, ports, marker, seconds = sys.argv[1:5]
+    result = attack(host, [int(port) for port in ports.split(",") if port], marker,
+                    float(seconds), stopping)
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # probes still stuck in a handshake must not hold the process
