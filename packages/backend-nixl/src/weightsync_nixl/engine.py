@@ -7,6 +7,7 @@ from typing import Any
 
 from weightsync_core import CheckpointEngineRegistry
 from weightsync_core.engines import RingCheckpointEngine
+from weightsync_core.process_group import default_host
 from weightsync_nixl.transport import NixlTransport
 
 __all__ = ["NixlCheckpointEngine"]
@@ -68,4 +69,5 @@ class NixlCheckpointEngine(RingCheckpointEngine):
         self.num_threads = num_threads
 
     def _create_transport(self) -> NixlTransport:
-        return NixlTransport(self.plugin, self.plugin_params, self.env, self.num_threads)
+        return NixlTransport(self.plugin, self.plugin_params, self.env, self.num_threads,
+                             self.host or default_host())

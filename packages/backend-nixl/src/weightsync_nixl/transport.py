@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import time
 import uuid
@@ -9,6 +11,7 @@ from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from weightsync_core.errors import TransferError, WeightSyncError
@@ -23,7 +26,7 @@ except ImportError as exc:  # the registry shows this message as the backend's l
         "and works on CPU-only hosts), or pin nixl-cu12 / nixl-cu13 explicitly"
     ) from exc
 
-__all__ = ["NixlTransport"]
+__all__ = ["NixlTransport", "interface_of", "ucx_net_devices"]
 
 _MEMORY_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 _FIRST_POLL_SECONDS = 20e-6
@@ -35,6 +38,35 @@ def host_has_efa(devices: Path = _RDMA_DEVICES) -> bool:
     """Whether this host has an AWS EFA device (an RDMA device bound to the ``efa`` driver)."""
     drivers = devices.glob("*/device/driver") if devices.is_dir() else ()
     return any(driver.resolve().name == "efa" for driver in drivers)
+
+
+def interface_of(host: str) -> str:
+    """The network interface of this host that holds the address ``host``."""
+    try:
+        wanted = ipaddress.ip_address(host.strip("[]"))
+    except ValueError as exc:
+        raise WeightSyncError(
+            f"NIXL needs this process's host as an IP address to pick its interface, got "
+            f"{host!r}; set the engine's host (or WEIGHTSYNC_HOST) to an address"
+        ) from exc
+    interfaces = psutil.net_if_addrs()
+    for name, addresses in interfaces.items():
+        for address in addresses:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(address.address.split("%", 1)[0]) == wanted:
+                    return name
+    held = ", ".join(f"{name} ({', '.join(a.address for a in addresses)})"
+                     for name, addresses in interfaces.items())
+    raise WeightSyncError(f"no network interface of this host holds {host}; it has: {held}")
+
+
+def ucx_net_devices(host: str, devices: Path = _RDMA_DEVICES) -> str:
+    """A ``UCX_NET_DEVICES`` value that leaves UCX's TCP transport the interface holding
+    ``host`` alone (UCX listens on the address of every device it may use) and keeps every
+    RDMA port (``mlx5_0:1``, ...), which the same variable would otherwise switch off."""
+    rdma = sorted(f"{port.parent.parent.name}:{port.name}"
+                  for port in (devices.glob("*/ports/*") if devices.is_dir() else ()))
+    return ",".join([interface_of(host), *rdma])
 
 
 def ucx_module_defaults(env: Mapping[str, str]) -> dict[str, str]:
@@ -64,6 +96,16 @@ class NixlTransport(PeerTransport):
             ``UCX_MODULES`` is set here or in the environment, UCX's ``efa`` module is left
             out on hosts without an EFA device (see :func:`ucx_module_defaults`).
         num_threads: worker threads of multi-threaded plugins (0: the plugin's default).
+        host: this process's address on the cluster network. With the UCX plugin, UCX's
+            TCP transport then listens on (and connects from) the interface holding it
+            alone (see :func:`ucx_net_devices`), unless ``UCX_NET_DEVICES`` is set here or
+            in the environment.
+
+    A peer that registers new memory publishes new :meth:`metadata`; :meth:`connect` loads
+    it into the known peer (NIXL adds the new registrations and keeps the connection).
+    Removing and re-adding the peer instead would leave UCX's old TCP connection open on
+    both sides (a socket leaked per reload) and fail transfers posted in between with
+    ``NIXL_ERR_NOT_FOUND``.
     """
 
     def __init__(
@@ -72,8 +114,13 @@ class NixlTransport(PeerTransport):
         plugin_params: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
         num_threads: int = 0,
+        host: str | None = None,
     ) -> None:
         settings = {key: str(value) for key, value in (env or {}).items()}
+        if host is not None and plugin == "UCX" and "UCX_NET_DEVICES" not in {
+            *settings, *os.environ
+        }:
+            settings["UCX_NET_DEVICES"] = ucx_net_devices(host)
         os.environ.update({**ucx_module_defaults(settings), **settings})
         self.name = f"weightsync-{uuid.uuid4().hex[:12]}"
         # engines call the agent from several threads (forwards overlap): make it thread-safe
@@ -117,12 +164,22 @@ class NixlTransport(PeerTransport):
         return {"agent": self.name, "blob": self._agent.get_agent_metadata()}
 
     def connect(self, metadata: Any) -> Hashable:
+        """Load a peer's metadata; for a known peer, its new registrations are added over
+        the existing connection. The caller must not write to this peer meanwhile."""
         name, blob = metadata["agent"], metadata["blob"]
-        if self._remote.get(name) != blob:
-            if name in self._remote:  # it re-registered its memory: load the new metadata
-                self.disconnect(name)
+        if self._remote.get(name) == blob:
+            return name
+        try:
             self._agent.add_remote_agent(blob)
-            self._remote[name] = blob
+        except Exception:
+            if name not in self._remote:
+                raise
+            # NIXL refused to merge (a known address re-registered with other keys): reload
+            # the peer (this leaves UCX's old connection open; it does not happen on host
+            # memory, where a re-registered address keeps its keys)
+            self.disconnect(name)
+            self._agent.add_remote_agent(blob)
+        self._remote[name] = blob
         return name
 
     def disconnect(self, peer: Hashable) -> None:
