@@ -35,11 +35,11 @@ from weightsync_core.bucketing import (
 from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket
 from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
-from weightsync_core.errors import TransferError, WeightSyncError
+from weightsync_core.errors import EmptyWeightsError, TransferError, WeightSyncError
 from weightsync_core.process_group import default_host
 from weightsync_core.transport import RemoteBuffer
-from weightsync_core.verification import DeliveryVerifier, bucket_checksum
-from weightsync_kimi.shares import ShareAssigner, ShareManifest, rollout_nbytes
+from weightsync_core.verification import DeliveryVerifier
+from weightsync_kimi.shares import ShareAssigner, ShareManifest, ShareMessage, rollout_nbytes
 from weightsync_kimi.topology import kimi_topology
 from weightsync_mooncake.transport import MooncakeTransport
 
@@ -93,7 +93,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             **(collective_kwargs or {}),
         )
         self._endpoints = PeerEndpoints(
-            host, lambda: MooncakeTransport(host or default_host(), protocol, device_name)
+            host, lambda: MooncakeTransport(host or default_host(), protocol, device_name),
+            ShareMessage,
         )
         self._plan: dict[str, Any] | None = None
         self._pinned = torch.cuda.is_available()
@@ -109,9 +110,14 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         return self._endpoints.transport
 
     @property
-    def channel(self) -> ControlChannel:
+    def channel(self) -> ControlChannel[ShareMessage]:
         """This process's control channel (bound on first use)."""
         return self._endpoints.channel
+
+    def set_session_key(self, key: bytes) -> None:
+        """Take this sync's key, for the shares and for the replica's broadcast group."""
+        super().set_session_key(key)
+        self._inner.set_session_key(key)
 
     def prepare(self) -> dict[str, Any]:
         return {
@@ -136,6 +142,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         return kimi_topology(actor_wg_world_size, replica_sizes, metadata)
 
     def init_process_group(self, plan: dict[str, Any]) -> None:
+        self.channel.use_key(self.session_key)
         self._plan = plan
         if plan["inner"] is not None:
             self._inner.init_process_group(**plan["inner"])
@@ -163,19 +170,24 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self._cache = None  # the buffers are being rewritten
         packer = BucketPacker(
             self._cache_buffers, self.rollout_dtype,
-            bucket_checksum if self.verify else None, grow=self._new_cache_buffer,
+            self.bucket_checksum if self.verify else None, grow=self._new_cache_buffer,
         )
         buckets = []
         async for bucket in packer.pack(own_share()):
             if bucket.meta.tensors:
                 buffer = self._cache_descriptors[len(buckets)]
                 buckets.append((bucket.meta, buffer.at(0, bucket.meta.nbytes)))
+        if not totals["tensors"]:
+            raise EmptyWeightsError(
+                f"kimi actor rank {rank}: the weight stream held no tensors; a sync that loads "
+                "nothing is refused (does iter_weights yield anything?)"
+            )
         share = ShareManifest(
             rank, self.transport.metadata(), plan["sync_id"], buckets, packer.manifest,
             global_steps,
         )
+        message = ShareMessage(plan["sync_id"], share)
         for leader in plan["leaders"]:
-            message = {"kind": "share", "sync": plan["sync_id"], "share": share}
             try:
                 await self.channel.send(leader, message, self.timeout)
             except TimeoutError as exc:
@@ -298,8 +310,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
                 )
                 await self._abort_members(str(error))
                 raise error from exc
-            if message.get("sync") == plan["sync_id"] and message.get("kind") == "share":
-                share = message["share"]
+            share = message.share
+            if message.sync == plan["sync_id"] and 0 <= share.owner < owners:
                 shares[share.owner] = share
         return [shares[rank] for rank in range(owners)]
 
@@ -307,9 +319,18 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self, share: ShareManifest, meta: BucketMeta, remote: RemoteBuffer, slot: torch.Tensor
     ) -> torch.Tensor:
         """Read one bucket of ``share`` into ``slot``; returns its used bytes."""
+        stage = f"pulling bucket {meta.index} of actor rank {share.owner}"
+        try:
+            meta.check(slot.numel())
+            if remote.nbytes != meta.nbytes:
+                raise ValueError(f"its buffer holds {remote.nbytes} bytes, not {meta.nbytes}")
+        except ValueError as exc:
+            raise TransferError(
+                f"kimi replica leader: actor rank {share.owner} published a bucket that does "
+                f"not fit: {exc}", peer=f"actor rank {share.owner}", stage=stage,
+            ) from exc
         data = slot[: meta.nbytes]
         peer = self.transport.connect(share.peer)
-        stage = f"pulling bucket {meta.index} of actor rank {share.owner}"
         try:
             await asyncio.wait_for(
                 run_blocking(self.transport.read, peer, data, remote, self.timeout),
@@ -339,7 +360,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             for share in shares if index < len(share.buckets)
         ]
         manifest = [entry for share in shares for entry in share.tensors]
-        verifier = DeliveryVerifier(bucket_checksum)
+        verifier = DeliveryVerifier(self.bucket_checksum)
         unpacker = BucketUnpacker(copy=True)
         relays: deque[asyncio.Task] = deque()
         pending: asyncio.Task | None = None

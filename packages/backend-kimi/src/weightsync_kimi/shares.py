@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from weightsync_core.bucketing import BucketMeta
 from weightsync_core.transport import RemoteBuffer
-from weightsync_core.verification import Manifest
+from weightsync_core.verification import ManifestEntry
 
-__all__ = ["ShareAssigner", "ShareManifest", "rollout_nbytes"]
+__all__ = ["ShareAssigner", "ShareManifest", "ShareMessage", "rollout_nbytes"]
 
 
 def rollout_nbytes(tensor: torch.Tensor, rollout_dtype: torch.dtype | None) -> int:
@@ -55,5 +56,13 @@ class ShareManifest:
     peer: Any
     update_id: str
     buckets: list[tuple[BucketMeta, RemoteBuffer]] = field(default_factory=list)
-    tensors: Manifest = field(default_factory=list)
+    tensors: list[ManifestEntry] = field(default_factory=list)
     global_steps: int | None = None
+
+
+class ShareMessage(msgspec.Struct, tag="share", frozen=True):
+    """An actor rank's share, sent to every replica leader over the control channel (a
+    fixed schema, sealed with the sync's key)."""
+
+    sync: str
+    share: ShareManifest

@@ -3,6 +3,11 @@
 Peers find each other without a metadata server (``P2PHANDSHAKE``): a peer's address is its
 session id ``host:rpc_port``, and the engine fetches the peer's segment description on first
 use.
+
+Mooncake (0.3.x) binds its two listeners, the handshake (RPC) port and the TCP transport's
+data port, to every interface whatever ``host`` says, and offers no setting to change that;
+see the threat model in weightsync-core's README for what that exposes and how weightsync
+detects tampering. :meth:`MooncakeTransport.close` closes both.
 """
 
 from __future__ import annotations
@@ -132,6 +137,12 @@ class MooncakeTransport(PeerTransport):
         return nbytes
 
     def close(self) -> None:
+        """Unregister every buffer and drop the engine: its destructor closes both of its
+        listeners (Mooncake has no explicit shutdown). Idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
         for addr in list(self._registered):
-            self._engine.unregister_memory(addr)
+            engine.unregister_memory(addr)
         self._registered.clear()
+        del engine
