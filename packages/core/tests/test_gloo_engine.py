@@ -1,6 +1,7 @@
 """The gloo engine in one process (sender and receivers on threads), without Ray."""
 
 import asyncio
+import dataclasses
 import threading
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from weightsync_core.engines import GlooCheckpointEngine
 from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
 from weightsync_core.testing import digests, make_weights
-from weightsync_core.wire import new_session_key
+from weightsync_core.wire import MessageSealer, new_session_key
 
 BUCKET = 256 << 10
 
@@ -105,14 +106,44 @@ def test_sender_failure_reaches_receivers_as_an_abort_not_a_hang():
 def test_corruption_on_the_wire_is_caught_and_names_the_tensors():
     class Corrupting(GlooCheckpointEngine):
         async def _receive_message(self, group, buffer):
-            kind, payload, data = await super()._receive_message(group, buffer)
+            message, data = await super()._receive_message(group, buffer)
             if data.numel():
                 data[-1] ^= 0x01
-            return kind, payload, data
+            return message, data
 
     results = run_sync(Corrupting, {"layer.0.weight": torch.randn(1000)}, receivers=1, timeout=3)
     assert isinstance(results[1], VerificationError)
     assert "layer.0.weight" in str(results[1])
+
+
+def test_metadata_sealed_under_another_key_is_refused_naming_the_sender():
+    class Forging(GlooCheckpointEngine):
+        """Seals its messages under a key of its own, as an outsider on the wire would."""
+
+        def _post_message(self, group, message, data=None):
+            forged = dataclasses.replace(group, sealer=MessageSealer(new_session_key()))
+            return super()._post_message(forged, message, data)
+
+    results = run_sync(Forging, {"w": torch.randn(100)}, receivers=1, timeout=3)
+    assert isinstance(results[1], TransferError)
+    assert "refused a message from actor rank 0" in str(results[1])
+    assert "authentication tag" in str(results[1])
+
+
+def test_a_process_with_another_key_cannot_take_a_rank():
+    from weightsync_core.errors import GroupInitTimeoutError
+
+    engines = ThreadedSync(GlooCheckpointEngine, receivers=2, group_init_timeout=2)
+    outsider = engines.rollout[1]
+    outsider.set_session_key = lambda key: GlooCheckpointEngine.set_session_key(
+        outsider, new_session_key()
+    )
+    _, received, _ = engines.sync({"w": torch.randn(10)})
+    # the members never meet the outsider (it looks under another prefix), and it never
+    # sees theirs: the group does not form, naming the rank it would have taken
+    assert isinstance(received[0], GroupInitTimeoutError)
+    assert received[0].missing_ranks == [2]
+    assert isinstance(received[1], GroupInitTimeoutError)
 
 
 def test_mismatched_bucket_sizes_are_reported():
@@ -156,7 +187,8 @@ def test_group_is_reused_across_syncs_unless_rebuild_group():
     first = reused.rollout[0]._group
     _, received, kwargs = reused.sync(weights)
     assert kwargs["master_metadata"][0]["reuse"] is True
-    assert reused.rollout[0]._group is first
+    assert reused.rollout[0]._group.control is first.control  # same communicators
+    assert reused.rollout[0]._group.sealer is not first.sealer  # this sync's key
     assert torch.equal(received[1]["w"], weights["w"])
 
     rebuilt = ThreadedSync(GlooCheckpointEngine, receivers=2, rebuild_group=True)
@@ -197,6 +229,9 @@ def test_group_init_fails_fast_naming_the_ranks_that_never_arrived():
 
     engines = [GlooCheckpointEngine(BUCKET, host="127.0.0.1", group_init_timeout=2)
                for _ in range(3)]
+    key = new_session_key()
+    for engine in engines:
+        engine.set_session_key(key)
     metadata = [engine.prepare() for engine in engines]
     actor, rollout = GlooCheckpointEngine.build_topology(1, 2, metadata)
     arguments = [{key: values[0] for key, values in actor.items()},

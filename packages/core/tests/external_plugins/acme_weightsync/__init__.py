@@ -18,7 +18,7 @@ class CorruptingGlooEngine(GlooCheckpointEngine):
     """Flips the first byte of each received bucket (silent corruption on the wire)."""
 
     async def _receive_message(self, group, buffer):
-        kind, payload, data = await super()._receive_message(group, buffer)
+        message, data = await super()._receive_message(group, buffer)
         if data.numel():
             data[0] ^= 0xFF
-        return kind, payload, data
+        return message, data
