@@ -38,7 +38,7 @@ Calls = Sequence[tuple[str, Awaitable[Any]]]
 
 _CLEANUP_SECONDS = 10.0
 """How long the next sync waits for the clean-up calls a failed sync left running."""
-_CLEANUP_GRACE_SECONDS = 0.5
+_CLEANUP_GRACE_SECONDS = 0.2
 """How long a failing sync waits for its clean-up calls before it raises."""
 _GRACE_SECONDS = 2.0
 _PROBE_SECONDS = 1.0
@@ -450,7 +450,8 @@ class CheckpointEngineManager:
         """After a failed sync: abort the engines everywhere (dropping groups that may be
         half-used), then mark the replicas stale if bytes had started to move, else resume
         those that do not already hold incomplete weights from an earlier failure. Returns
-        within a second: what is still running is awaited by the next sync."""
+        after :data:`_CLEANUP_GRACE_SECONDS`: what is still running is awaited by the next
+        sync."""
         workers = [worker for replica in replicas for worker in replica.workers]
         cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
         with contextlib.suppress(Exception):
