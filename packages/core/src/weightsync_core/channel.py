@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from weightsync_core.errors import MalformedMessageError, UnauthenticatedMessageError
-from weightsync_core.process_group import default_host
+from weightsync_core.process_group import check_bind_host, default_host
 from weightsync_core.transport import PeerTransport
 from weightsync_core.wire import MessageCodec, MessageSealer
 
@@ -55,11 +55,7 @@ class ControlChannel(Generic[M]):
     """
 
     def __init__(self, host: str, schema: Any) -> None:
-        if host in ("0.0.0.0", "::", "*", ""):
-            raise ValueError(
-                f"the control channel binds to one address, not {host!r}: set the engine's "
-                "host (or WEIGHTSYNC_HOST) to this process's address on the cluster network"
-            )
+        check_bind_host(host)
         self._codec: MessageCodec[M] = MessageCodec(schema)
         self._sealer: MessageSealer | None = None
         self._retired: deque[bytes] = deque(maxlen=8)

@@ -19,6 +19,7 @@ from weightsync_core.errors import GroupInitTimeoutError
 
 __all__ = [
     "HOST_ENV",
+    "check_bind_host",
     "create_store",
     "default_host",
     "listen_on_free_port",
@@ -60,15 +61,25 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def check_bind_host(host: str) -> str:
+    """``host``, unless it is a wildcard (every interface): a weight-sync listener binds to
+    one address only.
+
+    Raises:
+        ValueError: naming the setting to fix.
+    """
+    if host in ("0.0.0.0", "::", "*", ""):
+        raise ValueError(
+            f"a weight-sync listener binds to one address, not {host!r}: set the engine's host "
+            f"(or {HOST_ENV}) to this process's address on the cluster network"
+        )
+    return host
+
+
 def listen_on_free_port(host: str) -> socket.socket:
     """A socket listening on a free port of ``host`` (that address only, never a wildcard):
     hand it to :func:`create_store` as the store's listener."""
-    if host in ("0.0.0.0", "::", ""):
-        raise ValueError(
-            f"weight-sync listeners bind to one address, not {host!r}: set the engine's host "
-            f"(or {HOST_ENV}) to this process's address on the cluster network"
-        )
-    sock = reserve_port(host)
+    sock = reserve_port(check_bind_host(host))
     try:
         sock.listen(128)
     except OSError:
