@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -13,6 +15,7 @@ import torch
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import parse_dtype
 from weightsync_core.errors import WeightSyncError
+from weightsync_core.process_group import default_host
 from weightsync_core.verification import bucket_checksum
 from weightsync_core.wire import check_session_key
 
@@ -33,6 +36,9 @@ class TransferStats:
         return asdict(self)
 
 
+_WAIT_TOKENS = itertools.count()
+
+
 @dataclass
 class SyncProgress:
     """What this process is doing in the current sync, so that the manager can tell which
@@ -44,21 +50,40 @@ class SyncProgress:
             engine) or ``loading`` (the server holds a tensor).
         since: ``time.monotonic()`` when the state began.
         tensors: tensors handed on so far in this sync.
+        waits: what the engine waits on peers for right now (see :meth:`waiting_on`).
     """
 
     state: str = "idle"
     since: float = field(default_factory=time.monotonic)
     tensors: int = 0
+    waits: dict[int, tuple[str, str, float]] = field(default_factory=dict)
 
     def enter(self, state: str) -> None:
         """Switch to ``state`` (restarting its clock)."""
         self.state = state
         self.since = time.monotonic()
 
+    @contextlib.contextmanager
+    def waiting_on(self, peer: str, what: str) -> Iterator[None]:
+        """Mark a wait on ``peer`` (e.g. ``"rollout rank 2"``) for ``what`` (``"writing
+        bucket 3"``) as outstanding while the block runs: when a sync stalls, two processes
+        waiting on each other point at the network between them."""
+        token = next(_WAIT_TOKENS)
+        self.waits[token] = (peer, what, time.monotonic())
+        try:
+            yield
+        finally:
+            self.waits.pop(token, None)
+
     def snapshot(self) -> dict[str, Any]:
-        """``{"state", "seconds" (in that state), "tensors"}``, for the manager."""
-        return {"state": self.state, "seconds": time.monotonic() - self.since,
-                "tensors": self.tensors}
+        """``{"state", "seconds" (in that state), "tensors", "waiting": [{"peer", "what",
+        "seconds"}, ...] (oldest first)}``, for the manager."""
+        now = time.monotonic()
+        waiting = sorted(({"peer": peer, "what": what, "seconds": now - since}
+                          for peer, what, since in list(self.waits.values())),
+                         key=lambda wait: -wait["seconds"])
+        return {"state": self.state, "seconds": now - self.since, "tensors": self.tensors,
+                "waiting": waiting[:8]}
 
 
 class CheckpointEngine(ABC):
@@ -81,6 +106,8 @@ class CheckpointEngine(ABC):
     """True for engines where actor and rollout share one process (no transfer)."""
 
     _session_key: bytes | None = None
+    host: str | None = None
+    """Address this process binds and peers reach it at (``None``: :func:`default_host`)."""
 
     def __init__(
         self,
@@ -121,6 +148,10 @@ class CheckpointEngine(ABC):
                 "(CheckpointEngineManager does this)"
             )
         return self._session_key
+
+    def address(self) -> str:
+        """The address other processes reach this one at (the host a failure names)."""
+        return self.host or default_host()
 
     def sync_progress(self) -> dict[str, Any]:
         """What this process is doing in the current sync (see :class:`SyncProgress`)."""

@@ -96,9 +96,15 @@ def rank_failures(
     return Culprit(reporter, "failed"), reporter, exc
 
 
-def stalled_processes(progress: dict[str, dict[str, Any] | None]) -> list[Culprit]:
+def stalled_processes(
+    progress: dict[str, dict[str, Any] | None], names: Sequence[str] = ()
+) -> list[Culprit]:
     """Processes that stopped making progress, worst first, from what each reported when
-    asked (``None``: it did not answer in time)."""
+    asked (``None``: it did not answer in time): the silent ones, then those stuck in
+    their server or weights iterator, then pairs that have waited on each other for
+    :data:`STUCK_WAIT_SECONDS` or more (each waits for a message or a write the other
+    never gets: the network between their hosts). ``names`` translate the engines' names
+    of peers (``rollout rank 2``) to the manager's."""
     silent = [Culprit(name, "stopped responding (frozen, or its event loop is blocked)")
               for name, report in progress.items() if report is None]
     busy = sorted(
@@ -110,7 +116,32 @@ def stalled_processes(progress: dict[str, dict[str, Any] | None]) -> list[Culpri
         Culprit(name, _STUCK_STATES[report["state"]].format(
             seconds=seconds, tensor=report.get("tensors", 0) + 1))
         for seconds, name, report in busy
-    ]
+    ] + _mutual_waits(progress, names)
+
+
+STUCK_WAIT_SECONDS = 2.0
+"""A wait on a peer this old when a sync fails counts as stuck (a healthy write of a 64 MiB
+bucket takes half a second at 1 Gbit/s)."""
+
+
+def _mutual_waits(
+    progress: dict[str, dict[str, Any] | None], names: Sequence[str]
+) -> list[Culprit]:
+    waits: dict[str, dict[str, tuple[str, float]]] = {}
+    for name, report in progress.items():
+        for wait in (report or {}).get("waiting", []):
+            peer = _manager_name(wait["peer"], names) or wait["peer"]
+            if wait["seconds"] >= STUCK_WAIT_SECONDS and peer not in waits.get(name, {}):
+                waits.setdefault(name, {})[peer] = (wait["what"], wait["seconds"])
+    culprits = []
+    for name, peers in waits.items():
+        for peer, (what, seconds) in peers.items():
+            if name in waits.get(peer, {}) and name < peer:
+                culprits.append((seconds, Culprit(
+                    name, f"stopped making progress: it and {peer} have waited on each "
+                          f"other for {seconds:.0f}s ({what}); is the network between "
+                          "their hosts broken?")))
+    return [culprit for _, culprit in sorted(culprits, key=lambda entry: -entry[0])]
 
 
 _STUCK_STATES = {

@@ -59,12 +59,17 @@ class SyncStageError(WeightSyncError):
     Attributes:
         stage: the sync stage that failed (``prepare``, ``transfer``, ...).
         worker: who failed, e.g. ``"rollout rank 2 (replica 1, worker 0)"``.
+        host: the address of ``worker``'s host, when the manager knows it.
     """
 
-    def __init__(self, message: str, *, stage: str = "", worker: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, stage: str = "", worker: str | None = None,
+        host: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.stage = stage
         self.worker = worker
+        self.host = host
 
 
 class SyncTimeoutError(SyncStageError, TimeoutError):
@@ -78,10 +83,11 @@ class SyncTimeoutError(SyncStageError, TimeoutError):
 
     def __init__(
         self, message: str, *, stage: str = "", pending: list[str] | None = None,
-        culprit: str | None = None,
+        culprit: str | None = None, host: str | None = None,
     ) -> None:
         pending = pending or []
-        super().__init__(message, stage=stage, worker=culprit or ", ".join(pending) or None)
+        super().__init__(message, stage=stage, worker=culprit or ", ".join(pending) or None,
+                         host=host)
         self.pending = pending
 
 

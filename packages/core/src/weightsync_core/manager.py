@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
@@ -115,6 +116,9 @@ class CheckpointEngineManager:
         self.actor_wg = actor_wg
         self.replicas: list[RolloutReplica] = []
         self.stale_replicas: list[RolloutReplica] = []
+        self._addresses: dict[str, str] = {}
+        """Host address of each process and replica (by name) as of the last sync; cleared
+        when replicas are added or removed."""
         self._cleanup: list[ray.ObjectRef] = []
         self.add_replicas(replicas)
 
@@ -129,6 +133,7 @@ class CheckpointEngineManager:
             if any(replica is known for known in self.replicas):
                 raise ValueError(f"replica {replica!r} is already managed")
             self.replicas.append(replica)
+        self._addresses = {}  # rollout ranks are renumbered
 
     def remove_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
         """Stop syncing ``replicas`` (e.g. after one failed); the others are untouched."""
@@ -137,6 +142,7 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
+        self._addresses = {}  # rollout ranks are renumbered
 
     def update_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
@@ -276,6 +282,14 @@ class CheckpointEngineManager:
             "set_session_key", {"key": [key] * actor_wg.world_size},
             {"key": [key] * rollout.world_size},
         ), progress)
+        # where each process runs, so that a failure names the host (a cable, a switch)
+        self._addresses = dict(zip(names, await stages.run("locate", both("address")),
+                                   strict=True))
+        first_workers = itertools.accumulate([0, *(len(r.workers) for r in replicas[:-1])])
+        self._addresses.update({  # a replica's stages (abort, resume) blame the replica
+            f"replica {index}": self._addresses[rollout_names[first]]
+            for index, first in enumerate(first_workers)
+        })
         metadata = await stages.run("prepare", both("prepare"), progress)
         try:
             actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
@@ -346,25 +360,27 @@ class CheckpointEngineManager:
                          if not task.done()]
         stalled: list[Culprit] = []
         if pending_names and probe is not None:
-            stalled = await self._probe(pending_names, probe, failures)
+            stalled = await self._probe(pending_names, probe, failures, names)
         self._cancel([call for (_, call), task in zip(calls, tasks, strict=True)
                       if not task.done()], tasks)
         if failures:
             raise self._failure(stage, names, failures, stalled)
         if pending_names:
-            culprit = f"{stalled[0].name} {stalled[0].verdict}; " if stalled else ""
+            blamed = stalled[0].name if stalled else None
+            culprit = f"{blamed} {stalled[0].verdict}; " if stalled else ""
+            host = self._addresses.get(blamed) if blamed else None
             raise SyncTimeoutError(
                 f"weight sync ({self.backend}) timed out at stage {stage!r} after "
                 f"{self.config.sync_timeout_seconds:.0f}s (sync_timeout_seconds): {culprit}"
-                f"still waiting on: {', '.join(pending_names)}",
-                stage=stage, pending=pending_names,
-                culprit=stalled[0].name if stalled else None,
+                f"still waiting on: {', '.join(pending_names)}"
+                + (f". {blamed} runs on host {host}" if host else ""),
+                stage=stage, pending=pending_names, culprit=blamed, host=host,
             )
         return [task.result() for task in tasks]
 
     async def _probe(
         self, pending: list[str], probe: Callable[[], Calls],
-        failures: list[tuple[str, BaseException]],
+        failures: list[tuple[str, BaseException]], names: list[str],
     ) -> list[Culprit]:
         """Ask the ``pending`` processes what they are doing; a process that died shows up
         in ``failures``, one that does not answer within a second counts as frozen."""
@@ -384,7 +400,7 @@ class CheckpointEngineManager:
                     reports[name] = None
             else:
                 reports[name] = task.result()
-        return stalled_processes(reports)
+        return stalled_processes(reports, names)
 
     def _failure(
         self, stage: str, names: list[str], failures: list[tuple[str, BaseException]],
@@ -392,6 +408,7 @@ class CheckpointEngineManager:
     ) -> SyncStageError:
         """The error of a failed stage, its root cause in the headline."""
         culprit, reporter, exc = rank_failures(failures, names, stalled)
+        host = self._addresses.get(culprit.name)
         others = "; ".join(f"{other}: {describe_exception(e)}"
                            for other, e in failures if other != reporter)[:1200]
         if culprit.verdict == "failed":
@@ -402,8 +419,9 @@ class CheckpointEngineManager:
             where = f"{culprit.name} {culprit.verdict} (reported by {reporter}): "
         return SyncStageError(
             f"weight sync ({self.backend}) failed at stage {stage!r} {where}"
-            f"{describe_exception(exc)}" + (f". Also failed: {others}" if others else ""),
-            stage=stage, worker=culprit.name,
+            f"{describe_exception(exc)}" + (f". Also failed: {others}" if others else "")
+            + (f". {culprit.name} runs on host {host}" if host else ""),
+            stage=stage, worker=culprit.name, host=host,
         )
 
     @staticmethod

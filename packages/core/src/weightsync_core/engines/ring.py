@@ -170,9 +170,10 @@ class _Session:
         :class:`TransferError` naming ``peer`` and the stage after ``timeout`` seconds."""
         task = asyncio.ensure_future(awaitable)
         try:
-            done, _ = await asyncio.wait(
-                {task, self.failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            with self.engine.progress.waiting_on(peer, on_timeout):
+                done, _ = await asyncio.wait(
+                    {task, self.failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
         except BaseException:
             task.cancel()
             raise
@@ -217,6 +218,17 @@ class _Session:
             downstream.metadata = credit.peer
             downstream.unloaded.add(credit.slot)
         downstream.free.put_nowait(credit.slot)
+
+    def supersede(self) -> None:
+        """A newer sync started in this process while this one was still running (its
+        caller's cancellation never arrived): fail its waits and stop its inbox reader now,
+        so that it cannot take, and drop, the newer sync's messages."""
+        self.fail(TransferError(
+            f"{self.engine.describe(self.placement)}: a newer sync started while this one "
+            "was still running", stage="superseded",
+        ))
+        for task in [self._reader, *self._tasks]:
+            task.cancel()
 
     async def close(self) -> None:
         """Stop the inbox reader and every background task of this session."""
@@ -312,6 +324,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self._descriptors: list[RemoteBuffer] = []
         self._baselines: list[int | None] = []
         self._peers: dict[str, Hashable] = {}
+        self._session: _Session | None = None
 
     # -- hook for transports -------------------------------------------------------------
     @abstractmethod
@@ -389,7 +402,7 @@ class RingCheckpointEngine(CheckpointEngine):
             async for _ in iter_named_tensors(weights):
                 pass
             return TransferStats(seconds=time.perf_counter() - start)
-        session = _Session(self, placement)
+        session = self._open_session(placement)
         packer = BucketPacker(
             self._buffers, self.rollout_dtype, self.bucket_checksum if self.verify else None
         )
@@ -429,7 +442,7 @@ class RingCheckpointEngine(CheckpointEngine):
         moved past its tensors; if the consumer still holds a view then, the slot gets a new
         buffer instead, so kept tensors are never overwritten."""
         placement = self._require_placement(sender=False)
-        session = _Session(self, placement)
+        session = self._open_session(placement)
         unpacker = BucketUnpacker(copy=False)
         verifier = DeliveryVerifier(self.bucket_checksum)
         upstream = placement.upstream_name
@@ -520,6 +533,13 @@ class RingCheckpointEngine(CheckpointEngine):
         self._endpoints.close()
 
     # -- internals -----------------------------------------------------------------------
+    def _open_session(self, placement: _Placement) -> _Session:
+        """This sync's session; one an earlier sync left running is superseded first."""
+        if self._session is not None:
+            self._session.supersede()
+        self._session = _Session(self, placement)
+        return self._session
+
     def _require_placement(self, *, sender: bool) -> _Placement:
         placement = self._placement
         if placement is None:

@@ -1,0 +1,63 @@
+"""Who a stalled sync blames, from what each process reports (no Ray needed)."""
+
+from __future__ import annotations
+
+from weightsync_core.base import SyncProgress
+from weightsync_core.blame import STUCK_WAIT_SECONDS, stalled_processes
+
+NAMES = ["actor_wg rank 0", "rollout rank 0 (replica 0, worker 0)",
+         "rollout rank 1 (replica 1, worker 0)", "rollout rank 2 (replica 2, worker 0)"]
+
+
+def _report(state: str = "receiving", seconds: float = 20.0, waiting=()) -> dict:
+    return {"state": state, "seconds": seconds, "tensors": 3, "waiting": [
+        {"peer": peer, "what": what, "seconds": waited} for peer, what, waited in waiting
+    ]}
+
+
+def test_a_progress_snapshot_lists_outstanding_waits_oldest_first() -> None:
+    progress = SyncProgress()
+    with progress.waiting_on("rollout rank 1", "waiting for its hello"):
+        with progress.waiting_on("rollout rank 2", "writing bucket 0"):
+            waits = progress.snapshot()["waiting"]
+        assert [w["peer"] for w in waits] == ["rollout rank 1", "rollout rank 2"]
+        assert waits[0]["seconds"] >= waits[1]["seconds"]
+    assert progress.snapshot()["waiting"] == []
+
+
+def test_two_processes_waiting_on_each_other_are_blamed_as_a_pair() -> None:
+    # a partition between rollout ranks 0 and 1 of a ring: everyone waits, 0 and 1 on
+    # each other; the actor waits on rank 0 for a slot, rank 2 on rank 1 for a bucket
+    waited = STUCK_WAIT_SECONDS + 15
+    reports = {
+        NAMES[0]: _report("sending", waiting=[("rollout rank 0", "a free slot", waited)]),
+        NAMES[1]: _report(waiting=[("rollout rank 1", "waiting for its hello", waited),
+                                   ("actor rank 0", "waiting for bucket 3", 1.0)]),
+        NAMES[2]: _report(waiting=[("rollout rank 0", "waiting for bucket 0", waited)]),
+        NAMES[3]: _report(waiting=[("rollout rank 1", "waiting for bucket 0", waited)]),
+    }
+    culprits = stalled_processes(reports, NAMES)
+    assert len(culprits) == 1
+    assert culprits[0].name == NAMES[1]
+    assert NAMES[2] in culprits[0].verdict and "network between their hosts" in culprits[0].verdict
+
+
+def test_silent_and_stuck_processes_come_before_a_waiting_pair() -> None:
+    waited = STUCK_WAIT_SECONDS + 5
+    reports = {
+        NAMES[1]: _report(waiting=[("rollout rank 1", "writing bucket 2", waited)]),
+        NAMES[2]: _report("loading", waiting=[("rollout rank 0", "waiting for bucket 3",
+                                               waited)]),
+        NAMES[3]: None,
+    }
+    names = [culprit.name for culprit in stalled_processes(reports, NAMES)]
+    assert names == [NAMES[3], NAMES[2], NAMES[1]]
+
+
+def test_short_waits_blame_nobody() -> None:
+    short = STUCK_WAIT_SECONDS / 2
+    reports = {
+        NAMES[1]: _report(waiting=[("rollout rank 1", "writing bucket 2", short)]),
+        NAMES[2]: _report(waiting=[("rollout rank 0", "waiting for bucket 3", short)]),
+    }
+    assert stalled_processes(reports, NAMES) == []
