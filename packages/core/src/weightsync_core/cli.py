@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         "object store), or a ring backend (nixl, mooncake) to 1 and to N rollout workers",
     )
     bench.add_argument("backend", help="gloo, or an installed ring backend: nixl, mooncake")
+    bench.add_argument("--testbed", action="store_true",
+                       help="instead: the line-rate matrix on an emulated multi-host cluster "
+                       "(needs root and weightsync-testbed; options: weightsync-testbed "
+                       "bench --help)")
     bench.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
     bench.add_argument("--receivers", type=int,
                        help="rollout workers (default: 2 for gloo; 3 for ring backends, "
@@ -128,9 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_on_testbed(argv: list[str]) -> int:
+    try:
+        from weightsync_testbed.cli import main as testbed_main
+    except ImportError:
+        print("weightsync bench --testbed needs the testbed: pip install weightsync-testbed",
+              file=sys.stderr)
+        return 2
+    return testbed_main(["bench", *argv])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightsync`` command."""
-    args = build_parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["bench"] and "--testbed" in arguments:
+        return _bench_on_testbed([a for a in arguments[1:] if a != "--testbed"])
+    args = build_parser().parse_args(arguments)
     return args.run(args)
 
 

@@ -8,12 +8,15 @@ weights (used by ``weightsync bench``) do not.
 
 from typing import Any
 
-from weightsync_core.testing.harness import SyncHarness, ensure_ray
+from weightsync_core.testing.harness import Placement, SyncHarness, ensure_ray
 from weightsync_core.testing.weights import Faults, digest, digests, make_weights
 
 _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests")
 
-__all__ = [*_SUITE, "Faults", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights"]
+__all__ = [
+    *_SUITE, "Faults", "Placement", "SyncHarness", "digest", "digests", "ensure_ray",
+    "make_weights",
+]
 
 
 def __getattr__(name: str) -> Any:

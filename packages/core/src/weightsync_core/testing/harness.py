@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -18,7 +18,22 @@ from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
 from weightsync_core.testing.weights import Faults, TensorDigest, digests, make_weights
 
-__all__ = ["SyncHarness", "ensure_ray"]
+__all__ = ["Placement", "SyncHarness", "ensure_ray"]
+
+
+class Placement(Protocol):
+    """Where a harness starts its processes (e.g. ``weightsync_testbed.HostPlacement``):
+    extra ``ray.remote`` options per actor rank and per replica, merged over
+    ``actor_options``."""
+
+    def actor_options(self, rank: int) -> dict[str, Any]:
+        """Options of actor rank ``rank``."""
+        ...
+
+    def replica_options(self, index: int) -> dict[str, Any]:
+        """Options of every worker of the ``index``-th replica the harness starts."""
+        ...
+
 
 class SyncHarness:
     """``actor_world_size`` weight-source ranks and replicas of the given sizes, for one backend.
@@ -28,6 +43,8 @@ class SyncHarness:
         actor_world_size: number of ``actor_wg`` ranks.
         replica_sizes: workers per rollout replica; ignored for colocated backends.
         actor_options: extra ``ray.remote`` options of every actor, e.g. ``{"num_gpus": 1}``.
+        placement: which host each actor rank and replica goes to (default: wherever Ray
+            puts them).
     """
 
     def __init__(
@@ -36,15 +53,18 @@ class SyncHarness:
         actor_world_size: int = 2,
         replica_sizes: Sequence[int] = (1, 2),
         actor_options: dict[str, Any] | None = None,
+        placement: Placement | None = None,
     ) -> None:
         ensure_ray()
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
+        self.placement = placement
         self.config = config
         load_custom_backend_module(config.custom_backend_module)
         self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
-        self._source = ray.remote(**self.actor_options)(WeightSourceActor)
-        self.actors = [self._source.remote(config) for _ in range(actor_world_size)]
+        self._source = ray.remote(WeightSourceActor)
+        self.actors = [self._new_actor(rank) for rank in range(actor_world_size)]
         self.actor_wg = RayWorkerGroup(self.actors)
+        self._replicas_started = 0
         self.replicas: list[RayRolloutReplica] = []
         if not self.colocated:
             self.replicas = [self.new_replica(size, name=f"replica{i}")
@@ -73,9 +93,13 @@ class SyncHarness:
         killed); managers made from now on use it."""
         with contextlib.suppress(Exception):
             ray.kill(self.actors[rank])
-        self.actors[rank] = self._source.remote(self.config)
+        self.actors[rank] = self._new_actor(rank)
         self.actor_wg = RayWorkerGroup(self.actors)
         self._ray_ports.update(self._listening([self.actors[rank]]))
+
+    def _new_actor(self, rank: int) -> Any:
+        placed = self.placement.actor_options(rank) if self.placement else {}
+        return self._source.options(**{**self.actor_options, **placed}).remote(self.config)
 
     def workers(self, replicas: Sequence[RayRolloutReplica] | None = None) -> list[Any]:
         """Every process of the harness: actor ranks, then the rollout workers of
@@ -84,8 +108,10 @@ class SyncHarness:
         return [*self.actors, *(w for replica in chosen for w in replica.workers)]
 
     def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
-        """Start a replica of ``size`` rollout workers."""
-        worker = ray.remote(**self.actor_options)(RecordingRolloutWorker)
+        """Start a replica of ``size`` rollout workers (on one host, if placed)."""
+        index, self._replicas_started = self._replicas_started, self._replicas_started + 1
+        placed = self.placement.replica_options(index) if self.placement else {}
+        worker = ray.remote(RecordingRolloutWorker).options(**{**self.actor_options, **placed})
         return RayRolloutReplica([worker.remote(self.config) for _ in range(size)], name=name)
 
     def manager(

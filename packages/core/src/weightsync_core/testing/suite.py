@@ -70,15 +70,21 @@ class _ConformanceBase:
         fields.update(overrides)
         return CheckpointEngineConfig(**fields)
 
+    @classmethod
+    def make_harness(cls) -> SyncHarness:
+        """A deployment of ``actor_world_size`` ranks and replicas of ``replica_sizes``;
+        override to place it (the testbed puts ranks and replicas on emulated hosts)."""
+        return SyncHarness(
+            cls.make_config(), cls.actor_world_size, cls.replica_sizes, cls.ray_actor_options
+        )
+
     @pytest.fixture(scope="class")
     @classmethod
     def harness(cls):
-        """One deployment per test class: actor ranks plus replicas of ``replica_sizes``."""
+        """One deployment per test class (:meth:`make_harness`)."""
         if not cls.backend:
             pytest.fail("set `backend` on your conformance test class")
-        harness = SyncHarness(
-            cls.make_config(), cls.actor_world_size, cls.replica_sizes, cls.ray_actor_options
-        )
+        harness = cls.make_harness()
         yield harness
         harness.shutdown()
 
@@ -425,8 +431,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
     def test_soak_keeps_resources_flat_and_close_frees_every_port(self) -> None:
         # a deployment of its own: waits of earlier failed syncs may still hold sockets of
         # the shared one (a gloo wait cannot be interrupted; it ends at the engine timeout)
-        harness = SyncHarness(self.make_config(), self.actor_world_size, self.replica_sizes,
-                              self.ray_actor_options)
+        harness = self.make_harness()
         try:
             self._soak(harness)
         finally:
