@@ -1,0 +1,97 @@
+"""The ``weightsync-testbed`` command: bring a testbed up, clean up after a crashed one, or
+run the line-rate benchmark (also reachable as ``weightsync bench --testbed``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from weightsync_testbed.network import Link
+from weightsync_testbed.testbed import Testbed, cleanup
+
+__all__ = ["add_bench_arguments", "main", "run_bench"]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared with ``weightsync bench --testbed``)."""
+    parser.add_argument("backends", nargs="*",
+                        help="backends to measure (default: every installed CPU backend: "
+                        "gloo, nixl, mooncake, kimi)")
+    parser.add_argument("--size-mb", type=int, default=256, help="state dict size (MiB)")
+    parser.add_argument("--receivers", default="1,2,4",
+                        help="numbers of replica hosts, e.g. 1,2,4")
+    parser.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed syncs per cell (median)")
+    parser.add_argument("--out", default="testbed-bench",
+                        help="directory for the markdown table, the JSON and the PNG chart")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark matrix; print the table and write table, JSON and chart."""
+    from weightsync_testbed.bench import run_testbed_bench
+
+    report = run_testbed_bench(
+        backends=list(args.backends), size_megabytes=args.size_mb,
+        receivers=tuple(int(n) for n in args.receivers.split(",")), link=Link(args.link),
+        bucket_megabytes=args.bucket_mb, repeats=args.repeats,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = report.markdown()
+    (out / "testbed-bench.md").write_text(table + "\n")
+    (out / "testbed-bench.json").write_text(json.dumps(report.as_dict(), indent=2))
+    report.chart(out / "testbed-bench.png")
+    print(table)
+    print(f"wrote {out}/testbed-bench.md, .json and .png")
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    with Testbed(hosts=args.hosts.split(","), link=Link(args.link), prefix=args.prefix,
+                 connect=False) as testbed:
+        print(f"Ray cluster at {testbed.cluster.address}; hosts: "
+              + ", ".join(f"{h}={testbed.address(h)}" for h in testbed.hosts))
+        print(f"run inside a host: ip netns exec {args.prefix}-<host> <command>; "
+              "Ctrl-C tears everything down")
+        signal.pause()
+    return 0
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    removed = cleanup(args.prefix)
+    print(json.dumps(removed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``weightsync-testbed``."""
+    parser = argparse.ArgumentParser(prog="weightsync-testbed", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="create hosts and a Ray cluster; Ctrl-C tears down")
+    up.add_argument("--hosts", default="h0,h1", help="host names, e.g. a0,r0,r1")
+    up.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    up.add_argument("--prefix", default="wst", help="name prefix of namespaces/interfaces")
+    up.set_defaults(run=_up)
+    clean = commands.add_parser("cleanup", help="remove what a crashed testbed left behind")
+    clean.add_argument("--prefix", default=None,
+                       help="only this testbed's leftovers (default: every testbed's)")
+    clean.set_defaults(run=_cleanup)
+    bench = commands.add_parser("bench", help="the line-rate benchmark matrix")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``weightsync-testbed``."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
