@@ -14,12 +14,17 @@ PREFIX = "wstt"  # not the default, so that a developer's own testbed is left al
 
 
 @pytest.fixture(scope="session")
-def testbed():
-    """The session's testbed (skips every test using it where namespaces are impossible)."""
+def namespaces_available() -> None:
+    """Skip the tests that use this where network namespaces cannot be made, saying why."""
     try:
         check_available()
     except TestbedUnavailableError as exc:
         pytest.skip(f"no testbed on this machine: {exc}")
+
+
+@pytest.fixture(scope="session")
+def testbed(namespaces_available):
+    """The session's testbed."""
     hosts = [*STANDARD_PLACEMENT.actors, *STANDARD_PLACEMENT.replicas]
     with Testbed(hosts=hosts, link=Link("1gbit"), prefix=PREFIX) as bed:
         yield bed

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from weightsync_testbed import Link, TestbedUnavailableError, check_available
+from weightsync_testbed import Link
 from weightsync_testbed.network import BENCHMARK_NETWORK, Network, leftovers
 
 PREFIX = "wstn"
@@ -30,11 +30,7 @@ print(time.perf_counter() - start)
 
 
 @pytest.fixture(scope="module")
-def network():
-    try:
-        check_available()
-    except TestbedUnavailableError as exc:
-        pytest.skip(f"no testbed on this machine: {exc}")
+def network(namespaces_available):
     net = Network(["h0", "h1", "h2"], Link("200mbit"), prefix=PREFIX, subnet=7)
     net.create()
     yield net
