@@ -15,17 +15,16 @@ PREFIX = "wstn"
 
 # a tiny TCP client/server, run inside the hosts' namespaces
 _SERVER = """
-import socket, sys
+import socket, sys, time
 s = socket.create_server((sys.argv[1], 5201)); print("ready", flush=True)
-c, _ = s.accept(); n = 0
+c, _ = s.accept(); n = 0; start = time.perf_counter()
 while (b := c.recv(1 << 20)): n += len(b)
-print(n, flush=True)
+print(n, time.perf_counter() - start, flush=True)
 """
 _CLIENT = """
-import socket, sys, time
+import socket, sys
 c = socket.create_connection((sys.argv[1], 5201), timeout=float(sys.argv[3]))
-start = time.perf_counter(); c.sendall(b"x" * int(sys.argv[2])); c.close()
-print(time.perf_counter() - start)
+c.sendall(b"x" * int(sys.argv[2])); c.close()
 """
 
 
@@ -39,8 +38,9 @@ def network(namespaces_available):
 
 
 def _transfer(network: Network, source: str, target: str, nbytes: int, timeout: float = 5):
-    """Send ``nbytes`` from ``source`` to ``target`` over TCP: ``(seconds, received)``, or
-    ``None`` when the connection could not be made or timed out."""
+    """Send ``nbytes`` from ``source`` to ``target`` over TCP: ``(seconds, received)`` as
+    the receiver saw them, or ``None`` when the connection could not be made or timed
+    out."""
     server = subprocess.Popen(
         [*network.exec_prefix(target), sys.executable, "-c", _SERVER, network.address(target)],
         stdout=subprocess.PIPE, text=True,
@@ -54,8 +54,8 @@ def _transfer(network: Network, source: str, target: str, nbytes: int, timeout: 
         )
         if client.returncode != 0:
             return None
-        received = int(server.communicate(timeout=30)[0].strip())
-        return float(client.stdout.strip()), received
+        received, seconds = server.communicate(timeout=30)[0].split()
+        return float(seconds), int(received)
     finally:
         server.kill()
         server.wait()
@@ -70,7 +70,7 @@ def test_addresses_come_from_the_benchmark_range_only(network) -> None:
 
 
 def test_links_are_shaped_to_their_rate(network) -> None:
-    nbytes = 10 << 20
+    nbytes = 20 << 20
     seconds, received = _transfer(network, "h0", "h1", nbytes)
     assert received == nbytes
     rate = nbytes * 8 / seconds

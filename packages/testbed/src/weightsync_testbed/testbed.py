@@ -48,7 +48,7 @@ class Testbed:
         self.network = Network(names, link, prefix)
         self.cluster = RayCluster(self.network, cpus_per_host, object_store_bytes)
         self.connect = connect
-        self._previous_sigterm: Any = None
+        self._previous_handlers: dict[int, Any] | None = None
 
     @property
     def hosts(self) -> list[str]:
@@ -63,12 +63,13 @@ class Testbed:
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> Testbed:
         check_available()
-        self._trap_sigterm()
+        self._trap_signals()
         try:
             self.network.create()
             self.cluster.start()
             if self.connect:
                 self._connect()
+                self._trap_signals()
         except BaseException:
             self.close()
             raise
@@ -80,14 +81,31 @@ class Testbed:
     ) -> None:
         self.close()
 
-    def _trap_sigterm(self) -> None:
+    def _trap_signals(self) -> None:
+        """SIGTERM raises KeyboardInterrupt (so the ``with`` block unwinds and tears down);
+        once one of SIGTERM or Ctrl-C arrived, both are ignored until the teardown is done.
+        Called again after ``ray.init``, which installs handlers of its own."""
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             raise KeyboardInterrupt(f"signal {signum}: tearing the testbed down")
 
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        if self._previous_handlers is None:
+            self._previous_handlers = {
+                signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)
+            }
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _restore_signals(self) -> None:
+        if self._previous_handlers is None:
+            return
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = None
 
     def _connect(self) -> None:
         import ray
@@ -106,19 +124,24 @@ class Testbed:
         )
 
     def close(self) -> None:
-        """Disconnect, stop Ray everywhere, remove the network (idempotent)."""
-        with contextlib.suppress(Exception):
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
+        """Disconnect, stop Ray everywhere, remove the network (idempotent). Ctrl-C and
+        SIGTERM wait until the teardown is complete."""
+        blocked = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
-            self.cluster.stop()
+            with contextlib.suppress(Exception):
+                import ray
+
+                if ray.is_initialized():
+                    ray.shutdown()
+            try:
+                self.cluster.stop()
+            finally:
+                self.network.destroy()
         finally:
-            self.network.destroy()
-            if self._previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-                self._previous_sigterm = None
+            if threading.current_thread() is threading.main_thread():
+                self._restore_signals()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
 
     # -- addressing and placement --------------------------------------------------------------
     def address(self, host: str) -> str:
