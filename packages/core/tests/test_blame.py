@@ -9,8 +9,10 @@ NAMES = ["actor_wg rank 0", "rollout rank 0 (replica 0, worker 0)",
          "rollout rank 1 (replica 1, worker 0)", "rollout rank 2 (replica 2, worker 0)"]
 
 
-def _report(state: str = "receiving", seconds: float = 20.0, waiting=()) -> dict:
-    return {"state": state, "seconds": seconds, "tensors": 3, "waiting": [
+def _report(
+    state: str = "receiving", seconds: float = 20.0, waiting=(), tensors: int = 3
+) -> dict:
+    return {"state": state, "seconds": seconds, "tensors": tensors, "waiting": [
         {"peer": peer, "what": what, "seconds": waited} for peer, what, waited in waiting
     ]}
 
@@ -25,20 +27,25 @@ def test_a_progress_snapshot_lists_outstanding_waits_oldest_first() -> None:
     assert progress.snapshot()["waiting"] == []
 
 
-def test_two_processes_waiting_on_each_other_are_blamed_as_a_pair() -> None:
-    # a partition between rollout ranks 0 and 1 of a ring: everyone waits, 0 and 1 on
-    # each other; the actor waits on rank 0 for a slot, rank 2 on rank 1 for a bucket
+def test_the_pair_across_a_cut_path_is_blamed_first() -> None:
+    # a partition between rollout ranks 0 and 1 of a ring, as measured on the testbed: rank
+    # 0 waits on rank 1 (its hello), rank 1 on rank 0 (a bucket); rank 0's slots stay full,
+    # so the actor waits on rank 0 for a slot (from the start) while rank 0 waits on the
+    # actor for its next bucket: two waiting pairs, and rank 1 got nothing through
     waited = STUCK_WAIT_SECONDS + 15
     reports = {
-        NAMES[0]: _report("sending", waiting=[("rollout rank 0", "a free slot", waited)]),
-        NAMES[1]: _report(waiting=[("rollout rank 1", "waiting for its hello", waited),
-                                   ("actor rank 0", "waiting for bucket 3", 1.0)]),
-        NAMES[2]: _report(waiting=[("rollout rank 0", "waiting for bucket 0", waited)]),
-        NAMES[3]: _report(waiting=[("rollout rank 1", "waiting for bucket 0", waited)]),
+        NAMES[0]: _report("sending", tensors=40,
+                          waiting=[("rollout rank 0", "a free slot for bucket 2", waited + 1)]),
+        NAMES[1]: _report(tensors=30, waiting=[("rollout rank 1", "waiting for its hello",
+                                                waited),
+                                               ("actor rank 0", "waiting for bucket 2", waited)]),
+        NAMES[2]: _report(tensors=0, waiting=[("rollout rank 0", "waiting for bucket 0",
+                                               waited)]),
+        NAMES[3]: _report(tensors=0, waiting=[("rollout rank 1", "waiting for bucket 0",
+                                               waited)]),
     }
     culprits = stalled_processes(reports, NAMES)
-    assert len(culprits) == 1
-    assert culprits[0].name == NAMES[1]
+    assert [culprit.name for culprit in culprits] == [NAMES[1], NAMES[0]]
     assert NAMES[2] in culprits[0].verdict and "network between their hosts" in culprits[0].verdict
 
 

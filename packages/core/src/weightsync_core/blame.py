@@ -133,15 +133,21 @@ def _mutual_waits(
             peer = _manager_name(wait["peer"], names) or wait["peer"]
             if wait["seconds"] >= STUCK_WAIT_SECONDS and peer not in waits.get(name, {}):
                 waits.setdefault(name, {})[peer] = (wait["what"], wait["seconds"])
-    culprits = []
+    def tensors(name: str) -> int:
+        return (progress.get(name) or {}).get("tensors", 0)
+
+    # A stall spreads: behind a cut path, each process waits on its neighbours both ways.
+    # The pair across the cut is the one where a side got nothing through at all; among
+    # equals, the oldest wait.
+    ranked = []
     for name, peers in waits.items():
         for peer, (what, seconds) in peers.items():
             if name in waits.get(peer, {}) and name < peer:
-                culprits.append((seconds, Culprit(
+                ranked.append((min(tensors(name), tensors(peer)), -seconds, Culprit(
                     name, f"stopped making progress: it and {peer} have waited on each "
                           f"other for {seconds:.0f}s ({what}); is the network between "
                           "their hosts broken?")))
-    return [culprit for _, culprit in sorted(culprits, key=lambda entry: -entry[0])]
+    return [culprit for *_, culprit in sorted(ranked, key=lambda entry: entry[:2])]
 
 
 _STUCK_STATES = {
