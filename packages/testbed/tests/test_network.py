@@ -30,7 +30,7 @@ c.sendall(b"x" * int(sys.argv[2])); c.close()
 
 @pytest.fixture(scope="module")
 def network(namespaces_available):
-    net = Network(["h0", "h1", "h2"], Link("200mbit"), prefix=PREFIX, subnet=7)
+    net = Network(["h0", "h1", "h2"], Link("200mbit"), prefix=PREFIX)
     net.create()
     yield net
     net.destroy()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import shutil
 import subprocess
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,11 @@ NETNS_ETC = Path("/etc/netns")
 gets its own ``hosts`` (every testbed host by name) and a ``resolv.conf`` without servers,
 so that the reverse lookups c10d and others make of peer addresses answer at once instead
 of waiting on a DNS server the hosts cannot reach."""
+
+
+def subnet_of(prefix: str) -> int:
+    """The default third octet of a testbed's addresses (1..250, from its prefix)."""
+    return zlib.crc32(prefix.encode()) % 250 + 1
 
 
 class TestbedUnavailableError(RuntimeError):
@@ -114,11 +120,13 @@ class Network:
         hosts: host names (short, ``[a-z0-9]``), e.g. ``["a0", "r0", "r1"]``.
         link: every host's NIC.
         prefix: first part of every namespace and interface name.
-        subnet: third octet of 198.18.<subnet>.0/24.
+        subnet: third octet of 198.18.<subnet>.0/24 (default: derived from ``prefix``, so
+            that testbeds of different prefixes can run side by side).
     """
 
     def __init__(
-        self, hosts: list[str], link: Link | None = None, prefix: str = "wst", subnet: int = 0,
+        self, hosts: list[str], link: Link | None = None, prefix: str = "wst",
+        subnet: int | None = None,
     ) -> None:
         if not hosts:
             raise ValueError("a testbed needs at least one host")
@@ -130,10 +138,13 @@ class Network:
                     f"host name {name!r}: use lower-case letters and digits, at most "
                     f"{13 - len(prefix)} characters (interface names are short)"
                 )
+        if subnet is None:
+            subnet = subnet_of(prefix)
         if not 0 <= subnet <= 255 or len(hosts) > 200:
             raise ValueError("subnet is 0..255 and a testbed has at most 200 hosts")
         self.link = link or Link()
         self.prefix = prefix
+        self.subnet = subnet
         self.bridge = f"{prefix}-br"
         self.gateway = str(ipaddress.ip_address(f"198.18.{subnet}.1"))
         self.hosts = {
