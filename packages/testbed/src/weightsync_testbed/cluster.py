@@ -64,9 +64,8 @@ class RayCluster:
         self.object_store_bytes = object_store_bytes
         self.startup_timeout = startup_timeout
         self.token = secrets.token_hex(32)
-        # ports of their own per testbed (the subnet is unique per prefix): several can run
+        # a GCS port of its own per testbed (the subnet is unique per prefix): several can run
         self.port = 6390 + network.subnet
-        self.client_port = 16390 + network.subnet
         self.address = f"{network.gateway}:{self.port}"
         self.temp_dir = _TEMP_ROOT / network.prefix
         self._started: list[_Started] = []
@@ -118,7 +117,6 @@ class RayCluster:
         self._launch(None, [
             "--head", f"--node-ip-address={self.network.gateway}", f"--port={self.port}",
             "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.temp_dir}",
-            f"--ray-client-server-port={self.client_port}",
             f"--object-store-memory={256 << 20}",
         ])
         for name, host in self.network.hosts.items():
