@@ -89,8 +89,7 @@ class Testbed:
             return
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _ignore_interrupts()
             raise KeyboardInterrupt(f"signal {signum}: tearing the testbed down")
 
         if self._previous_handlers is None:
@@ -125,23 +124,25 @@ class Testbed:
 
     def close(self) -> None:
         """Disconnect, stop Ray everywhere, remove the network (idempotent). Ctrl-C and
-        SIGTERM wait until the teardown is complete."""
-        blocked = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        SIGTERM are ignored until the teardown is complete."""
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main:
+            _ignore_interrupts()
         try:
             with contextlib.suppress(Exception):
                 import ray
 
                 if ray.is_initialized():
                     ray.shutdown()
+            if in_main:
+                _ignore_interrupts()  # ray.shutdown() puts back the handlers it replaced
             try:
                 self.cluster.stop()
             finally:
                 self.network.destroy()
         finally:
-            if threading.current_thread() is threading.main_thread():
+            if in_main:
                 self._restore_signals()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
 
     # -- addressing and placement --------------------------------------------------------------
     def address(self, host: str) -> str:
@@ -217,6 +218,12 @@ class Testbed:
             thread.join(timeout + 1)
             if repair is not None and injected.is_set():
                 repair()
+
+
+def _ignore_interrupts() -> None:
+    """Ignore SIGTERM and SIGINT, process-wide (whichever thread they reach)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def cleanup(prefix: str | None = None) -> dict[str, list]:
