@@ -168,10 +168,6 @@ class _ObjectStoreReader:
         return int(array[-1]) * len(array)
 
 
-def _median(samples: list[float]) -> float:
-    return statistics.median(samples)
-
-
 def _engine_cells(
     backend: str, kwargs: dict[str, Any], counts: list[int], nbytes: int, bucket_mb: int,
     repeats: int, replica_hosts: list[str], rate: float,
@@ -196,7 +192,7 @@ def _engine_cells(
                 times[n].append(metrics["weightsync/seconds/transfer"])
     finally:
         harness.shutdown()
-    return [BenchCell(backend, n, _median(times[n]), sent, rate) for n in counts]
+    return [BenchCell(backend, n, statistics.median(times[n]), sent, rate) for n in counts]
 
 
 def _raw_write_cell(
@@ -215,7 +211,7 @@ def _raw_write_cell(
     finally:
         for handle in (writer, reader):
             ray.kill(handle)
-    return BenchCell(f"raw {backend} write", 1, _median(seconds), nbytes, rate)
+    return BenchCell(f"raw {backend} write", 1, statistics.median(seconds), nbytes, rate)
 
 
 def _raw_broadcast_cells(
@@ -237,7 +233,7 @@ def _raw_broadcast_cells(
         finally:
             for handle in peers:
                 ray.kill(handle)
-        cells.append(BenchCell("raw gloo broadcast", n, _median(seconds), nbytes, rate))
+        cells.append(BenchCell("raw gloo broadcast", n, statistics.median(seconds), nbytes, rate))
     return cells
 
 
@@ -260,7 +256,8 @@ def _object_store_cells(
                 if got != [7 * nbytes] * n:
                     raise RuntimeError("the object store delivered wrong bytes")
                 del wrapped
-            cells.append(BenchCell("Ray object store", n, _median(seconds[1:]), nbytes, rate))
+            median = statistics.median(seconds[1:])
+            cells.append(BenchCell("Ray object store", n, median, nbytes, rate))
     finally:
         for handle in (holder, *readers):
             ray.kill(handle)

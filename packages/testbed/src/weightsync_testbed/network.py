@@ -20,7 +20,7 @@ import ipaddress
 import shutil
 import subprocess
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -108,8 +108,6 @@ class _Host:
     namespace: str
     veth: str
     address: str
-    loss_percent: float = 0.0
-    partitioned_from: set[str] = field(default_factory=set)
 
 
 class Network:
@@ -256,7 +254,6 @@ class Network:
         for source, target in ((a, b), (b, a)):
             _run("ip", "-n", source.namespace, "neigh", "replace", target.address,
                  "lladdr", _UNREACHABLE_MAC, "dev", "eth0", "nud", "permanent")
-            source.partitioned_from.add(target.name)
 
     def heal(self, first: str, second: str) -> None:
         """Undo :meth:`partition`."""
@@ -264,7 +261,6 @@ class Network:
         for source, target in ((a, b), (b, a)):
             _run("ip", "-n", source.namespace, "neigh", "del", target.address, "dev", "eth0",
                  check=False)
-            source.partitioned_from.discard(target.name)
 
     def set_loss(self, host: str, percent: float) -> None:
         """Drop ``percent`` of the packets ``host`` sends and receives (random, with
@@ -276,7 +272,6 @@ class Network:
             raise TestbedUnavailableError("packet loss needs `nft` (Debian: nftables)")
         netns = ["ip", "netns", "exec", target.namespace, "nft"]
         _run(*netns, "delete", "table", "inet", "wst_loss", check=False)
-        target.loss_percent = percent
         if percent == 0:
             return
         per_mille = round(percent * 10)
