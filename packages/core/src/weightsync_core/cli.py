@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -79,6 +80,45 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from weightsync_core.plan import Cluster, Link, Workload, plan, plan_table
+
+    nic = Link(args.nic_gbit * 1e9 / 8, args.nic_latency_us * 1e-6)
+    intra = Link(args.intra_gbyte * 1e9, args.intra_latency_us * 1e-6)
+    if args.measure:
+        import ray
+
+        from weightsync_core.plan.probe import measure_cluster_links
+
+        if not ray.is_initialized():
+            ray.init(address=args.address)
+        nic, intra = measure_cluster_links()
+        print(f"measured: NIC {nic.bandwidth * 8 / 1e9:.3f} Gbit/s, "
+              f"{nic.latency * 1e6:.0f} us; intra-host {intra.bandwidth / 1e9:.2f} GB/s")
+    cluster = Cluster(
+        nic, intra, actor_hosts=args.actor_hosts, actor_ranks_per_host=args.actor_ranks_per_host,
+        replicas=args.replicas, workers_per_replica=args.workers_per_replica,
+        rollout_workers_per_host=args.rollout_workers_per_host,
+    )
+    workload = Workload(int(args.model_gb * 1e9), args.bucket_mb << 20,
+                        int(args.largest_tensor_mb * 2**20), args.pipeline_depth)
+    ranked = plan(cluster, workload, args.device, args.backends or None)
+    if args.json:
+        print(json.dumps([{**dataclasses.asdict(item.prediction),
+                           "engine_kwargs": item.engine_kwargs} for item in ranked], indent=2))
+        return 0
+    print(f"{workload.model_bytes / 1e9:g} GB from {cluster.actor_ranks} actor ranks on "
+          f"{cluster.actor_hosts} host(s) to {cluster.replicas} replica(s) of "
+          f"{cluster.workers_per_replica} worker(s) on {cluster.rollout_hosts} host(s); "
+          f"{workload.buckets} buckets of {args.bucket_mb} MiB; each rollout worker needs "
+          f"{workload.receiver_memory_bytes / 2**30:.1f} GiB for buffers")
+    print(plan_table(ranked))
+    best = ranked[0]
+    print(f"recommended: {best.prediction.backend} ({best.prediction.option}), "
+          f"bound by {best.prediction.bound}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``weightsync``."""
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
@@ -129,7 +169,41 @@ def build_parser() -> argparse.ArgumentParser:
                          help="engine keyword arguments of one backend (repeatable)")
     compare.add_argument("--json-out", help="also write the rows as JSON to this file")
     compare.set_defaults(run=_compare)
+    _add_plan_parser(commands)
     return parser
+
+
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan", help="predict every backend's sync time on a described cluster, ranked, "
+        "with what bounds each (a cost model; see the core README)"
+    )
+    plan.add_argument("backends", nargs="*", help="backends to plan (default: all for --device)")
+    plan.add_argument("--device", choices=("cpu", "gpu", "npu"), default="cpu",
+                      help="buckets in host memory over TCP (measured engine costs), or on "
+                      "CUDA GPUs / Ascend NPUs over RDMA (assumed engine costs)")
+    plan.add_argument("--model-gb", type=float, required=True, help="bytes to sync (GB)")
+    plan.add_argument("--largest-tensor-mb", type=float, default=0.0,
+                      help="largest tensor (MiB): sets the receivers' merge memory")
+    plan.add_argument("--bucket-mb", type=int, default=1024, help="bucket size (MiB)")
+    plan.add_argument("--pipeline-depth", type=int, default=2, help="buckets in flight")
+    plan.add_argument("--actor-hosts", type=int, default=1)
+    plan.add_argument("--actor-ranks-per-host", type=int, default=1)
+    plan.add_argument("--replicas", type=int, default=1)
+    plan.add_argument("--workers-per-replica", type=int, default=1)
+    plan.add_argument("--rollout-workers-per-host", type=int, default=1)
+    plan.add_argument("--nic-gbit", type=float, default=100.0,
+                      help="every host's NIC: payload rate, Gbit/s each direction")
+    plan.add_argument("--nic-latency-us", type=float, default=10.0)
+    plan.add_argument("--intra-gbyte", type=float, default=10.0,
+                      help="between processes of one host: GB/s (NVLink: e.g. 450)")
+    plan.add_argument("--intra-latency-us", type=float, default=2.0)
+    plan.add_argument("--measure", action="store_true",
+                      help="probe the NIC and intra-host figures of the Ray cluster at "
+                      "--address instead of --nic-*/--intra-* (TCP between two nodes)")
+    plan.add_argument("--address", default="auto", help="Ray cluster for --measure")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(run=_plan)
 
 
 def _bench_on_testbed(argv: list[str]) -> int:

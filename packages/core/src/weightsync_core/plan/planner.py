@@ -1,0 +1,138 @@
+"""Every backend's topology options for a cluster, predicted and ranked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync_core.plan.layout import Cluster, Workload
+from weightsync_core.plan.topologies import (
+    EngineCosts,
+    Prediction,
+    chained_broadcast,
+    fan_out,
+    ring,
+    sharded_pull,
+)
+
+__all__ = [
+    "ASSUMED_GPU_COSTS",
+    "MEASURED_CPU_COSTS",
+    "PlannedOption",
+    "RankedPrediction",
+    "plan",
+    "plan_table",
+    "topology_options",
+]
+
+MEASURED_CPU_COSTS: Mapping[str, EngineCosts] = {
+    "gloo": EngineCosts(per_bucket=0.0355),
+    "nixl": EngineCosts(per_bucket=0.0312, per_byte=2.354e-3 / 2**20),
+    "mooncake": EngineCosts(per_bucket=0.0060, per_byte=0.155e-3 / 2**20),
+    "kimi": EngineCosts(per_bucket=0.0500),
+}
+"""Engine costs beyond the wire with buckets in host memory over TCP, fitted
+(``weightsync-testbed fit``) from the 1-host cells of the testbed's 1 Gbit/s runs with 64 and
+8 MiB buckets (see the core README, "Predicted and measured on the testbed")."""
+
+ASSUMED_GPU_COSTS: Mapping[str, EngineCosts] = {
+    name: EngineCosts(per_bucket=0.001)
+    for name in ("gloo", "nccl", "hccl", "nixl", "mooncake", "kimi")
+}
+"""Engine costs for device buckets over RDMA and NVLink (or HCCS): assumed (1 ms a bucket
+for the control round trip and launch; no copy beyond the wire), not measured: no GPU
+cluster has run these engines yet."""
+
+_DEVICE_BACKENDS = {
+    "cpu": ("gloo", "nixl", "mooncake", "kimi"),
+    "gpu": ("nccl", "nixl", "mooncake", "kimi", "gloo"),
+    "npu": ("hccl", "gloo"),
+}
+
+
+@dataclass(frozen=True)
+class PlannedOption:
+    """One way to run a backend: the engine kwargs that select it, and its predictor."""
+
+    backend: str
+    engine_kwargs: dict[str, Any]
+    predict: Callable[[Cluster, Workload, EngineCosts], Prediction]
+
+
+def topology_options(backend: str, cluster: Cluster, device: str = "cpu") -> list[PlannedOption]:
+    """The topology options of ``backend`` on ``cluster``: broadcast engines with one sender
+    and with every actor rank of actor host 0 sending; kimi with each relay collective."""
+    senders = min(cluster.actor_ranks_per_host, cluster.rollout_workers)
+    if backend in ("gloo", "nccl", "hccl"):
+        topology = fan_out if backend == "gloo" else chained_broadcast
+        counts = sorted({1, senders})
+        return [PlannedOption(backend, {"senders": k} if k > 1 else {},
+                              lambda c, w, e, k=k, b=backend, t=topology: t(b, c, w, e, k))
+                for k in counts]
+    if backend in ("nixl", "mooncake"):
+        return [PlannedOption(backend, {"device": "cpu" if device == "cpu" else "cuda"},
+                              lambda c, w, e, b=backend: ring(b, c, w, e))]
+    if backend == "kimi":
+        collectives = ("nccl", "gloo") if device == "gpu" else ("gloo",)
+        return [PlannedOption(backend, {"collective": name},
+                              lambda c, w, e, r=("chained" if name == "nccl" else "fan-out"):
+                              sharded_pull("kimi", c, w, e, r))
+                for name in collectives]
+    raise ValueError(
+        f"no cost model for backend {backend!r}; planned backends: gloo, nccl, hccl, nixl, "
+        "mooncake, kimi (naive only runs colocated, in one process)"
+    )
+
+
+@dataclass(frozen=True)
+class RankedPrediction:
+    """A prediction with the engine kwargs that select its option."""
+
+    prediction: Prediction
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def plan(
+    cluster: Cluster,
+    workload: Workload,
+    device: str = "cpu",
+    backends: Iterable[str] | None = None,
+    costs: Mapping[str, EngineCosts] | None = None,
+) -> list[RankedPrediction]:
+    """Predict every backend and topology option on ``cluster``, fastest first.
+
+    ``device`` is ``"cpu"`` (buckets in host memory, TCP: the measured costs), ``"gpu"``
+    (CUDA buckets, RDMA/NVLink) or ``"npu"`` (Ascend, HCCL) with assumed costs; ``costs``
+    overrides either table.
+    """
+    if device not in _DEVICE_BACKENDS:
+        raise ValueError(f"device must be one of {', '.join(_DEVICE_BACKENDS)}, got {device!r}")
+    table = dict(MEASURED_CPU_COSTS if device == "cpu" else ASSUMED_GPU_COSTS)
+    table.update(costs or {})
+    ranked = []
+    for backend in backends or _DEVICE_BACKENDS[device]:
+        for option in topology_options(backend, cluster, device):
+            prediction = option.predict(cluster, workload, table.get(backend, EngineCosts()))
+            ranked.append(RankedPrediction(prediction, option.engine_kwargs))
+    return sorted(ranked, key=lambda item: item.prediction.seconds)
+
+
+def plan_table(ranked: list[RankedPrediction]) -> str:
+    """A markdown table of ranked predictions."""
+    lines = ["| rank | backend | option | engine_kwargs | predicted | bound |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for position, item in enumerate(ranked, start=1):
+        p = item.prediction
+        kwargs = ", ".join(f"{k}={v!r}" for k, v in item.engine_kwargs.items()) or "-"
+        lines.append(f"| {position} | {p.backend} | {p.option} | {kwargs} | "
+                     f"{_seconds(p.seconds)} | {p.bound} |")
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    if value >= 3600:
+        return f"{value / 3600:.1f} h"
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    return f"{value:.2f} s"

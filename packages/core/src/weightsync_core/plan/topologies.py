@@ -1,0 +1,238 @@
+"""The cost of each engine topology: a pipeline of per-bucket stages.
+
+A sync is ``B`` buckets pushed through stages (a NIC hop, an intra-host hop, a fan-out over
+one uplink, ...). With every stage's time per bucket known, the sync takes
+
+    fixed + sum(stages) + (B - 1) * period,   period = max(slowest stage, sum(stages) / depth)
+
+(the first bucket crosses every stage; each later one leaves one period after the previous;
+``depth`` buckets in flight cap the overlap). A stage's time is its wire time (latency plus
+the copies it carries over its slowest link, divided by the bandwidth) plus the engine's
+per-bucket work. The stage that sets the period, or the pipeline fill when that dominates,
+is the sync's bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from weightsync_core.plan.layout import Cluster, Link, Workload
+
+__all__ = [
+    "EngineCosts",
+    "Prediction",
+    "Stage",
+    "chained_broadcast",
+    "fan_out",
+    "pipeline",
+    "ring",
+    "sharded_pull",
+]
+
+NCCL_CHUNK_BYTES = 512 << 10
+"""Granularity of NCCL's pipelined ring broadcast (its default buffer over its steps)."""
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """An engine's time beyond the wire, per hop.
+
+    Args:
+        per_bucket: CPU seconds per bucket (posting, polling, control messages); stretched
+            by CPU contention on a shared-core emulation.
+        per_byte: seconds per byte not hidden behind the wire (copies, checksums).
+        per_sync: seconds per sync outside the bucket pipeline.
+    """
+
+    per_bucket: float = 0.0
+    per_byte: float = 0.0
+    per_sync: float = 0.0
+
+    def bucket_seconds(self, nbytes: float, contention: float = 1.0) -> float:
+        """The engine's own time for one bucket of ``nbytes`` on one hop."""
+        return self.per_bucket * contention + self.per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: what it is, and its time per bucket."""
+
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted sync.
+
+    Attributes:
+        backend: the weightsync backend.
+        option: its topology option, e.g. ``"ring"`` or ``"broadcast, 2 senders"``.
+        seconds: predicted sync time (transfer stage).
+        bound: what sets it: the slowest stage, the pipeline depth, or the pipeline fill.
+        buckets: buckets of the sync.
+        stages: every stage with its time per bucket.
+    """
+
+    backend: str
+    option: str
+    seconds: float
+    bound: str
+    buckets: int
+    stages: tuple[Stage, ...]
+
+
+def pipeline(
+    backend: str, option: str, stages: Sequence[Stage], buckets: int, depth: int,
+    fixed: float = 0.0,
+) -> Prediction:
+    """The sync time of ``buckets`` buckets through ``stages`` with ``depth`` in flight."""
+    if not stages:
+        raise ValueError("a pipeline needs at least one stage")
+    total = sum(stage.seconds for stage in stages)
+    slowest = max(stages, key=lambda stage: stage.seconds)
+    period = max(slowest.seconds, total / depth)
+    steady = (buckets - 1) * period
+    if steady < total:
+        bound = f"pipeline fill: one bucket through {len(stages)} stage(s)"
+    elif slowest.seconds >= total / depth:
+        ties = sum(1 for stage in stages if stage.seconds >= slowest.seconds * (1 - 1e-9))
+        bound = slowest.name + (f" (and {ties - 1} more as slow)" if ties > 1 else "")
+    else:
+        bound = f"pipeline depth {depth}: {len(stages)} stages share {depth} bucket buffers"
+    return Prediction(backend, option, fixed + total + steady, bound, buckets, tuple(stages))
+
+
+def _copies(count: int) -> str:
+    return f"{count} cop{'y' if count == 1 else 'ies'}"
+
+
+def _hop_link(cluster: Cluster, here: str, there: str) -> Link:
+    return cluster.intra_host if here == there else cluster.nic
+
+
+def ring(
+    backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts
+) -> Prediction:
+    """Ring engines (nixl, mooncake): actor rank 0 -> rollout worker 0 -> 1 -> ...; every
+    hop is a stage with its own slots, so hops overlap fully."""
+    size = workload.bucket_bytes
+    contention = cluster.cpu_contention(cluster.rollout_workers + 1)
+    chain = ["actor host 0"] + [cluster.rollout_host(w) for w in range(cluster.rollout_workers)]
+    stages = []
+    for here, there in pairwise(chain):
+        kind = "intra-host hop on " + here if here == there else f"NIC hop {here} -> {there}"
+        wire = _hop_link(cluster, here, there).seconds(size)
+        stages.append(Stage(kind, wire + costs.bucket_seconds(size, contention)))
+    return pipeline(backend, "ring", stages, workload.buckets, len(stages), costs.per_sync)
+
+
+def _fan_out_stage(
+    cluster: Cluster, size: float, receivers: Sequence[int], costs: EngineCosts,
+    contention: float, sender_host: str = "actor host 0",
+) -> Stage:
+    remote = sum(1 for w in receivers if cluster.rollout_host(w) != sender_host)
+    local = len(receivers) - remote
+    wire = 0.0
+    if remote:
+        wire += cluster.nic.seconds(size, remote)
+    if local:
+        wire += cluster.intra_host.seconds(size, local)
+    name = (f"{sender_host} NIC uplink ({_copies(remote)} a bucket)" if remote
+            else f"intra-host link on {sender_host} ({_copies(local)} a bucket)")
+    return Stage(name, wire + costs.bucket_seconds(size, contention))
+
+
+def fan_out(
+    backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts, senders: int = 1,
+) -> Prediction:
+    """Collective broadcast whose root sends every receiver its own copy (gloo's broadcast,
+    Ray's object store): all copies leave actor host 0's one NIC, whatever the number of
+    senders (relays sit on that host too)."""
+    contention = cluster.cpu_contention(cluster.rollout_workers + senders)
+    stage = _fan_out_stage(cluster, workload.bucket_bytes, range(cluster.rollout_workers),
+                           costs, contention)
+    option = "broadcast" + (f", {senders} senders" if senders > 1 else "")
+    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth,
+                    costs.per_sync)
+
+
+def _split(total: int, parts: int) -> list[range]:
+    share, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for part in range(parts):
+        size = share + (1 if part < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def chained_broadcast(
+    backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts, senders: int = 1,
+) -> Prediction:
+    """Collective broadcast pipelined along a ring of its members (NCCL, HCCL): each sender's
+    group crosses every host boundary once, so a NIC carries one copy per group through it;
+    ``senders`` groups (relays on actor host 0) put ``senders`` copies on its uplink."""
+    size = workload.bucket_bytes
+    up: Counter[str] = Counter()
+    down: Counter[str] = Counter()
+    intra_hops, longest = 0, 0
+    for group in _split(cluster.rollout_workers, min(senders, cluster.rollout_workers)):
+        chain = ["actor host 0"] + [cluster.rollout_host(w) for w in group]
+        longest = max(longest, len(chain) - 1)
+        for here, there in pairwise(chain):
+            if here == there:
+                intra_hops += 1
+            else:
+                up[here] += 1
+                down[there] += 1
+    nic_copies = max([*up.values(), *down.values(), 0])
+    # NCCL streams a bucket in chunks: the last chunk trails the first by a chunk a hop.
+    chunk = min(NCCL_CHUNK_BYTES, size)
+    wire = longest * cluster.nic.latency + (longest - 1) * chunk / cluster.nic.bandwidth
+    name = "intra-host link"
+    if nic_copies:
+        wire += nic_copies * size / cluster.nic.bandwidth
+        name = f"NIC of the busiest host ({_copies(nic_copies)} a bucket)"
+    if intra_hops:
+        wire = max(wire, cluster.intra_host.seconds(size))
+    contention = cluster.cpu_contention(cluster.rollout_workers + senders)
+    stage = Stage(name, wire + costs.bucket_seconds(size, contention))
+    option = "broadcast" + (f", {senders} senders" if senders > 1 else "")
+    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth,
+                    costs.per_sync)
+
+
+def sharded_pull(
+    backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts,
+    relay: str = "fan-out",
+) -> Prediction:
+    """kimi: every actor rank serves its share; every replica's leader pulls every bucket
+    (owners interleaved, all leaders in the same order, so one owner's host serves all
+    leaders at once) and relays it to the rest of its replica over a collective broadcast
+    (``relay``: ``fan-out`` for gloo, ``chained`` for nccl), overlapping the next pull."""
+    if relay not in ("fan-out", "chained"):
+        raise ValueError(f"relay must be 'fan-out' or 'chained', got {relay!r}")
+    size = workload.bucket_bytes
+    contention = cluster.cpu_contention(cluster.rollout_workers + cluster.actor_ranks)
+    stages = [Stage(
+        f"owner's host NIC uplink ({cluster.replicas} leader(s) pull each bucket)",
+        cluster.nic.seconds(size, cluster.replicas) + costs.bucket_seconds(size, contention),
+    )]
+    members = range(1, cluster.workers_per_replica)
+    leader_host = cluster.rollout_host(0)
+    if members and relay == "chained":
+        spans_hosts = any(cluster.rollout_host(w) != leader_host for w in members)
+        link = cluster.nic if spans_hosts else cluster.intra_host
+        stages.append(Stage("relay inside a replica (chained broadcast)", link.seconds(size)))
+    elif members:
+        stage = _fan_out_stage(cluster, size, members, EngineCosts(), contention, leader_host)
+        stages.append(Stage(f"relay inside a replica: {stage.name}", stage.seconds))
+    share = math.ceil(workload.model_bytes / cluster.actor_ranks)
+    buckets = cluster.actor_ranks * math.ceil(share / workload.bucket_bytes)
+    option = f"pull + {'nccl' if relay == 'chained' else 'gloo'} relay"
+    return pipeline(backend, option, stages, buckets, 2, costs.per_sync)

@@ -1,0 +1,150 @@
+"""The cost model on cases computed by hand, the planner's ranking, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightsync_core.cli import main
+from weightsync_core.plan import (
+    Cluster,
+    EngineCosts,
+    Link,
+    Stage,
+    Workload,
+    chained_broadcast,
+    fan_out,
+    pipeline,
+    plan,
+    ring,
+    sharded_pull,
+)
+
+NIC = Link(bandwidth=100.0, latency=0.5)  # 100 bytes/s: a 100-byte bucket takes 1 s + 0.5 s
+FAST = Link(bandwidth=1000.0)
+
+
+def cluster(**layout) -> Cluster:
+    return Cluster(NIC, FAST, **layout)
+
+
+def test_one_hop_is_latency_plus_bytes_over_bandwidth_per_bucket():
+    one = ring("nixl", cluster(), Workload(100, 100), EngineCosts())
+    assert one.seconds == pytest.approx(1.5)
+    assert one.buckets == 1
+    four = ring("nixl", cluster(), Workload(400, 100), EngineCosts())
+    assert four.seconds == pytest.approx(4 * 1.5)
+    assert four.bound == "NIC hop actor host 0 -> rollout host 0"
+
+
+def test_ring_of_n_hosts_takes_buckets_plus_hops_minus_one_stages():
+    for hosts in (1, 2, 5):
+        predicted = ring("mooncake", cluster(replicas=hosts), Workload(800, 100), EngineCosts())
+        assert len(predicted.stages) == hosts
+        assert predicted.seconds == pytest.approx((8 + hosts - 1) * 1.5)
+    assert predicted.bound == "NIC hop actor host 0 -> rollout host 0 (and 4 more as slow)"
+
+
+def test_ring_hops_inside_a_host_take_the_intra_host_link():
+    two_per_host = cluster(replicas=2, rollout_workers_per_host=2)
+    predicted = ring("nixl", two_per_host, Workload(300, 100), EngineCosts())
+    assert [s.seconds for s in predicted.stages] == pytest.approx([1.5, 0.1])
+    assert predicted.seconds == pytest.approx(1.5 + 0.1 + 2 * 1.5)
+
+
+def test_engine_cost_per_bucket_stretches_with_processes_over_shared_cores():
+    costs = EngineCosts(per_bucket=0.5, per_byte=0.01)
+    alone = ring("nixl", cluster(replicas=3), Workload(400, 100), costs)
+    shared = ring("nixl", cluster(replicas=3, shared_cpu_cores=2), Workload(400, 100), costs)
+    assert alone.stages[0].seconds == pytest.approx(1.5 + 0.5 + 1.0)
+    assert shared.stages[0].seconds == pytest.approx(1.5 + 0.5 * 4 / 2 + 1.0)  # 4 processes
+    assert shared.seconds == pytest.approx((4 + 3 - 1) * 3.5)
+
+
+def test_fan_out_sends_one_copy_per_receiver_over_the_senders_uplink():
+    for receivers in (1, 3):
+        predicted = fan_out("gloo", cluster(replicas=receivers), Workload(200, 100),
+                            EngineCosts())
+        assert predicted.seconds == pytest.approx(2 * (0.5 + receivers * 1.0))
+        assert f"({receivers} cop{'y' if receivers == 1 else 'ies'} a bucket)" in predicted.bound
+    # relays share actor host 0's NIC: more senders, same copies on it
+    relayed = fan_out("gloo", cluster(replicas=3, actor_ranks_per_host=3),
+                      Workload(200, 100), EngineCosts(), senders=3)
+    assert relayed.seconds == pytest.approx(2 * (0.5 + 3.0))
+
+
+def test_chained_broadcast_carries_one_copy_per_group_through_each_nic():
+    # 4 hosts in a chain: the bucket (100 bytes, 1 s a copy) streams in chunks (here the
+    # whole bucket, smaller than NCCL's chunk) so the last host gets it 3 chunk times and
+    # 4 latencies after the first byte left
+    one_group = chained_broadcast("nccl", cluster(replicas=4), Workload(1000, 100),
+                                  EngineCosts())
+    assert one_group.seconds == pytest.approx(10 * (1.0 + 3 * 1.0 + 4 * 0.5))
+    assert "(1 copy a bucket)" in one_group.bound
+    two_groups = chained_broadcast("nccl", cluster(replicas=4, actor_ranks_per_host=2),
+                                   Workload(1000, 100), EngineCosts(), senders=2)
+    assert "(2 copies a bucket)" in two_groups.bound
+    assert two_groups.stages[0].seconds == pytest.approx(2.0 + 1 * 1.0 + 2 * 0.5)
+
+
+def test_pull_and_relay_is_a_two_level_tree():
+    # 2 replicas of 3 workers, a replica per host: leaders pull each bucket (2 copies on the
+    # owner's uplink, 0.5 + 2 s), then fan it out to 2 members over the intra-host link
+    # (2 x 0.1 s); pipelined over 4 buckets
+    tree = cluster(replicas=2, workers_per_replica=3, rollout_workers_per_host=3)
+    predicted = sharded_pull("kimi", tree, Workload(400, 100), EngineCosts())
+    assert [s.seconds for s in predicted.stages] == pytest.approx([2.5, 0.2])
+    assert predicted.seconds == pytest.approx(2.5 + 0.2 + 3 * 2.5)
+    assert "2 leader(s) pull each bucket" in predicted.bound
+
+
+def test_pipeline_depth_caps_the_overlap():
+    stages = [Stage("a", 1.0), Stage("b", 1.0), Stage("c", 1.0)]
+    assert pipeline("x", "y", stages, 5, depth=3).seconds == pytest.approx(3 + 4 * 1.0)
+    limited = pipeline("x", "y", stages, 5, depth=2)
+    assert limited.seconds == pytest.approx(3 + 4 * 1.5)
+    assert limited.bound.startswith("pipeline depth 2")
+    assert pipeline("x", "y", stages, 1, depth=3).bound.startswith("pipeline fill")
+
+
+def test_plan_ranks_every_option_fastest_first_and_names_the_bound():
+    gpus = Cluster(Link(50e9, 5e-6), Link(450e9, 2e-6), replicas=4, actor_ranks_per_host=2)
+    ranked = plan(gpus, Workload(100 << 30, 1 << 30), "gpu")
+    seconds = [item.prediction.seconds for item in ranked]
+    assert seconds == sorted(seconds)
+    found = {(item.prediction.backend, item.prediction.option): item for item in ranked}
+    assert {("nccl", "broadcast"), ("nccl", "broadcast, 2 senders"), ("nixl", "ring"),
+            ("kimi", "pull + nccl relay"), ("gloo", "broadcast")} <= set(found)
+    nccl, gloo = found["nccl", "broadcast"].prediction, found["gloo", "broadcast"].prediction
+    assert 3.8 < gloo.seconds / nccl.seconds <= 4  # 4 copies through one uplink, not 1
+    assert gloo.bound == "actor host 0 NIC uplink (4 copies a bucket)"
+    assert found["nccl", "broadcast, 2 senders"].engine_kwargs == {"senders": 2}
+
+
+def test_unknown_backend_and_bad_layout_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="no cost model for backend 'naive'"):
+        plan(cluster(), Workload(100, 100), backends=["naive"])
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
+        cluster(replicas=0)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        Link(0)
+    with pytest.raises(ValueError, match="device must be one of cpu, gpu, npu"):
+        plan(cluster(), Workload(100, 100), device="tpu")
+
+
+def test_receiver_memory_counts_buffers_and_a_merged_tensor():
+    assert Workload(1000, 100, largest_tensor_bytes=300).receiver_memory_bytes == 500
+    assert Workload(1000, 100, largest_tensor_bytes=50).receiver_memory_bytes == 200
+
+
+def test_cli_prints_a_ranked_table_and_json(capsys):
+    argv = ["plan", "--model-gb", "1", "--replicas", "2", "--nic-gbit", "10", "--bucket-mb",
+            "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 1 |" in out and "recommended:" in out
+    assert main([*argv, "--json", "gloo"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["backend"] for row in rows] == ["gloo"]
+    assert rows[0]["seconds"] > 2 * 8 / 10  # two copies of 1 GB over 10 Gbit/s
