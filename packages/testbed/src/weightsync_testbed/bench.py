@@ -1,21 +1,18 @@
-"""The testbed benchmark: one actor host syncing to 1, 2 and 4 replica hosts over shaped
+"""The testbed benchmark: one actor host syncing to 1 to 4 replica hosts over shaped
 links, for each backend, beside the raw transports and the Ray object store, in one run.
 
-Every cell reports time, the fraction of line rate (payload bytes / link rate / time; the
-actor host's uplink and every receiver's downlink run at the link rate) and the scaling from
-1 receiver to N, beside what the method's topology predicts:
-
-- ring engines (nixl, mooncake) forward each of B buckets hop by hop, pipelined: N hops take
-  B + N - 1 bucket times where one takes B, so (B + N - 1) / B;
-- ``gloo``'s broadcast, ``kimi``'s pulls from the one actor rank, and the Ray object store
-  (every receiver pulls from the owner at once) leave the actor host's one uplink carrying a
-  copy per receiver: N.
+Every cell reports time and the fraction of line rate (payload bytes / link rate / time; the
+actor host's uplink and every receiver's downlink run at the link rate), beside what core's
+cost model (``weightsync plan``) predicts from link figures probed on the testbed at the
+start of the run (:mod:`weightsync_testbed.prediction`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +22,14 @@ import ray
 
 from weightsync_core.benchmark import RawBroadcastPeer
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.plan import EngineCosts, Link
+from weightsync_core.plan.probe import measure_link
 from weightsync_core.registry import BackendState, CheckpointEngineRegistry
 from weightsync_core.ring_benchmark import RawTransferPeer
 from weightsync_core.testing import SyncHarness
-from weightsync_testbed.network import Link
+from weightsync_testbed.network import Link as ShapedLink
 from weightsync_testbed.placement import HostPlacement, on_host
+from weightsync_testbed.prediction import CellModel
 from weightsync_testbed.testbed import Testbed
 
 __all__ = ["BenchCell", "BenchReport", "run_testbed_bench"]
@@ -45,14 +45,6 @@ DEFAULT_ENGINE_KWARGS: dict[str, dict[str, Any]] = {
 _ACTOR_HOST = "a0"
 
 
-def predicted_scaling(method: str, receivers: int, buckets: int) -> float:
-    """Time to ``receivers`` hosts over time to one, as the method's topology predicts
-    (see the module docstring); ``buckets`` is the number of buckets of a sync."""
-    if method in ("nixl", "mooncake"):
-        return (buckets + receivers - 1) / buckets
-    return float(receivers)
-
-
 @dataclass
 class BenchCell:
     """One method at one number of receiver hosts."""
@@ -62,11 +54,18 @@ class BenchCell:
     seconds: float
     nbytes: int
     link_bits_per_second: float
+    predicted: float | None = None
+    bound: str | None = None
 
     @property
     def line_rate_fraction(self) -> float:
         """Payload bytes / link rate / time."""
         return self.nbytes * 8 / self.link_bits_per_second / self.seconds
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured."""
+        return None if self.predicted is None else self.predicted / self.seconds - 1
 
 
 @dataclass
@@ -77,12 +76,37 @@ class BenchReport:
     nbytes: int
     bucket_megabytes: int
     repeats: int
+    probed_bits_per_second: float = 0.0
+    probed_latency_seconds: float = 0.0
+    probed_intra_host_bits_per_second: float = 0.0
     cells: list[BenchCell] = field(default_factory=list)
 
-    @property
-    def buckets(self) -> int:
-        """Buckets of one sync."""
-        return -(-self.nbytes // (self.bucket_megabytes << 20))
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchReport:
+        """A report from :meth:`as_dict`'s data (a saved run's JSON)."""
+        fields = {f.name for f in dataclasses.fields(BenchCell)}
+        cells = [BenchCell(**{k: v for k, v in cell.items() if k in fields})
+                 for cell in data["cells"]]
+        own = {f.name for f in dataclasses.fields(cls)} - {"cells"}
+        return cls(**{k: v for k, v in data.items() if k in own}, cells=cells)
+
+    def model(self) -> CellModel:
+        """The cost model of this run's testbed: its probed links and its bytes."""
+        if not self.probed_bits_per_second:
+            raise ValueError("this run has no probed link figures (run it again with "
+                             "weightsync-testbed 0.2 or later)")
+        return CellModel(Link(self.probed_bits_per_second / 8, self.probed_latency_seconds),
+                         Link(self.probed_intra_host_bits_per_second / 8),
+                         self.nbytes, self.bucket_megabytes << 20)
+
+    def predict(self, costs: Mapping[str, EngineCosts] | None = None) -> None:
+        """Fill every cell's prediction (and bound) from :meth:`model` and ``costs``
+        (default: core's measured CPU costs)."""
+        model = self.model()
+        for cell in self.cells:
+            prediction = model.predict(cell.method, cell.receivers, costs)
+            if prediction is not None:
+                cell.predicted, cell.bound = prediction.seconds, prediction.bound
 
     def cell(self, method: str, receivers: int) -> BenchCell | None:
         """The cell of ``method`` at ``receivers`` hosts, if measured."""
@@ -94,29 +118,29 @@ class BenchReport:
         return list(dict.fromkeys(c.method for c in self.cells))
 
     def markdown(self) -> str:
-        """The table: time, fraction of line rate, scaling against 1 receiver and what the
-        topology predicts."""
+        """The table: time and fraction of line rate per cell, beside the cost model's
+        prediction and its error."""
         counts = sorted({c.receivers for c in self.cells})
         head = (f"{self.nbytes / 2**20:.0f} MiB from 1 actor host to N replica hosts, links "
-                f"{self.link} full duplex, {self.bucket_megabytes} MiB buckets, median of "
-                f"{self.repeats}")
+                f"{self.link} full duplex (probed: "
+                f"{self.probed_bits_per_second / 1e9:.3f} Gbit/s of payload, "
+                f"{self.probed_latency_seconds * 1e6:.0f} us one way), {self.bucket_megabytes}"
+                f" MiB buckets, median of {self.repeats}; each cell: measured (predicted, "
+                "error)")
         lines = [head, "",
                  "| method | " + " | ".join(f"{n} host{'s' if n > 1 else ''}" for n in counts)
-                 + f" | {counts[-1]} vs 1: measured (topology predicts) |",
-                 "| --- |" + " --- |" * (len(counts) + 1)]
+                 + " |",
+                 "| --- |" + " --- |" * len(counts)]
         for method in self.methods():
             row = [f"| {method} "]
             for n in counts:
                 cell = self.cell(method, n)
-                row.append(f"| {cell.seconds:.2f} s, {cell.line_rate_fraction:.2f} of line "
-                           if cell else "| - ")
-            one, many = self.cell(method, counts[0]), self.cell(method, counts[-1])
-            if one and many and many is not one:
-                predicted = predicted_scaling(method, counts[-1], self.buckets)
-                row.append(f"| {many.seconds / one.seconds:.2f}x ({predicted:.2f}x) |")
-            else:
-                row.append("| - |")
-            lines.append("".join(row))
+                row.append(f"| {_describe(cell)} " if cell else "| - ")
+            lines.append("".join(row) + "|")
+        errors = [abs(c.prediction_error) for c in self.cells if c.prediction_error is not None]
+        if errors:
+            lines += ["", f"Largest prediction error: {max(errors):.0%} over {len(errors)} "
+                      "cells."]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -151,6 +175,13 @@ class BenchReport:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
         plt.close(figure)
+
+
+def _describe(cell: BenchCell) -> str:
+    text = f"{cell.seconds:.2f} s, {cell.line_rate_fraction:.2f} of line"
+    if cell.predicted is not None:
+        text += f" ({cell.predicted:.2f} s, {cell.prediction_error:+.0%})"
+    return text
 
 
 class _ObjectStoreHolder:
@@ -267,14 +298,14 @@ def _object_store_cells(
 def run_testbed_bench(
     backends: list[str] | None = None,
     size_megabytes: int = 256,
-    receivers: tuple[int, ...] = (1, 2, 4),
-    link: Link | None = None,
+    receivers: tuple[int, ...] = (1, 2, 3, 4),
+    link: ShapedLink | None = None,
     bucket_megabytes: int = 64,
     repeats: int = 3,
 ) -> BenchReport:
     """Start a testbed (an actor host and ``max(receivers)`` replica hosts), measure every
     backend and the baselines on it, tear it down; returns the matrix."""
-    link = link or Link("1gbit")
+    link = link or ShapedLink("1gbit")
     rate = link.bits_per_second
     if rate is None:
         raise ValueError("the testbed benchmark needs shaped links (a rate, e.g. '1gbit')")
@@ -287,20 +318,31 @@ def run_testbed_bench(
     nbytes = size_megabytes << 20
     report = BenchReport(link.rate or "", nbytes, bucket_megabytes, repeats)
     with Testbed(hosts=[_ACTOR_HOST, *replica_hosts], link=link, prefix="wstb"):
+        nic = measure_link(on_host(_ACTOR_HOST), on_host(replica_hosts[0]))
+        intra = measure_link(on_host(replica_hosts[0]), on_host(replica_hosts[0]))
+        report.probed_bits_per_second, report.probed_latency_seconds = (
+            nic.bandwidth * 8, nic.latency)
+        report.probed_intra_host_bits_per_second = intra.bandwidth * 8
+        print(f"  probed: {nic.bandwidth * 8 / 1e9:.3f} Gbit/s, {nic.latency * 1e6:.0f} us "
+              f"between hosts; {intra.bandwidth * 8 / 1e9:.1f} Gbit/s inside one", flush=True)
+        model = report.model()
         for backend in backends:
             kwargs = DEFAULT_ENGINE_KWARGS.get(backend, {})
-            _add(report, _engine_cells(backend, kwargs, counts, nbytes, bucket_megabytes,
-                                       repeats, replica_hosts, rate))
+            _add(report, model, _engine_cells(backend, kwargs, counts, nbytes,
+                                              bucket_megabytes, repeats, replica_hosts, rate))
             if backend in ("nixl", "mooncake"):
-                _add(report, [_raw_write_cell(backend, kwargs, nbytes, repeats, rate)])
-        _add(report, _raw_broadcast_cells(counts, nbytes, repeats, replica_hosts, rate))
-        _add(report, _object_store_cells(counts, nbytes, repeats, replica_hosts, rate))
+                _add(report, model, [_raw_write_cell(backend, kwargs, nbytes, repeats, rate)])
+        _add(report, model, _raw_broadcast_cells(counts, nbytes, repeats, replica_hosts, rate))
+        _add(report, model, _object_store_cells(counts, nbytes, repeats, replica_hosts, rate))
     return report
 
 
-def _add(report: BenchReport, cells: list[BenchCell]) -> None:
-    """Record ``cells`` and say so (a matrix takes minutes)."""
-    report.cells += cells
+def _add(report: BenchReport, model: CellModel, cells: list[BenchCell]) -> None:
+    """Predict ``cells``, record them and say so (a matrix takes minutes)."""
     for cell in cells:
-        print(f"  {cell.method}, {cell.receivers} receiver host(s): {cell.seconds:.2f} s, "
-              f"{cell.line_rate_fraction:.2f} of line rate", flush=True)
+        prediction = model.predict(cell.method, cell.receivers)
+        if prediction is not None:
+            cell.predicted, cell.bound = prediction.seconds, prediction.bound
+        report.cells.append(cell)
+        print(f"  {cell.method}, {cell.receivers} receiver host(s): {_describe(cell)}",
+              flush=True)

@@ -1,5 +1,6 @@
-"""The ``weightsync-testbed`` command: bring a testbed up, clean up after a crashed one, or
-run the line-rate benchmark (also reachable as ``weightsync bench --testbed``)."""
+"""The ``weightsync-testbed`` command: bring a testbed up, clean up after a crashed one, run
+the line-rate benchmark (also reachable as ``weightsync bench --testbed``), fit engine costs
+from saved runs, or print saved runs beside the current cost model's predictions."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightsync_testbed.network import Link
 from weightsync_testbed.testbed import Testbed, cleanup
+
+if TYPE_CHECKING:
+    from weightsync_testbed.bench import BenchReport
 
 __all__ = ["add_bench_arguments", "main", "run_bench"]
 
@@ -22,7 +27,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="backends to measure (default: every installed CPU backend: "
                         "gloo, nixl, mooncake, kimi)")
     parser.add_argument("--size-mb", type=int, default=256, help="state dict size (MiB)")
-    parser.add_argument("--receivers", default="1,2,4",
+    parser.add_argument("--receivers", default="1,2,3,4",
                         help="numbers of replica hosts, e.g. 1,2,4")
     parser.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
@@ -48,6 +53,32 @@ def run_bench(args: argparse.Namespace) -> int:
     report.chart(out / "testbed-bench.png")
     print(table)
     print(f"wrote {out}/testbed-bench.md, .json and .png")
+    return 0
+
+
+def _load_reports(paths: list[str]) -> list[BenchReport]:
+    from weightsync_testbed.bench import BenchReport
+
+    return [BenchReport.from_dict(json.loads(Path(path).read_text())) for path in paths]
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from weightsync_testbed.bench import DEFAULT_ENGINE_KWARGS
+    from weightsync_testbed.prediction import fit_engine_costs
+
+    samples = [(report.model(), cell.method, cell.seconds)
+               for report in _load_reports(args.runs) for cell in report.cells
+               if cell.receivers == 1 and cell.method in DEFAULT_ENGINE_KWARGS]
+    for backend, costs in fit_engine_costs(samples).items():
+        print(f"{backend}: per_bucket={costs.per_bucket:.4f} s, "
+              f"per_byte={costs.per_byte * 2**20 * 1e3:.3f} ms/MiB")
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    for report in _load_reports(args.runs):
+        report.predict()
+        print(report.markdown(), end="\n\n")
     return 0
 
 
@@ -84,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="the line-rate benchmark matrix")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+    fit = commands.add_parser(
+        "fit", help="fit each backend's engine costs from the 1-host cells of saved runs")
+    fit.add_argument("runs", nargs="+", help="testbed-bench.json files")
+    fit.set_defaults(run=_fit)
+    predict = commands.add_parser(
+        "predict", help="print saved runs with predictions from the current cost model")
+    predict.add_argument("runs", nargs="+", help="testbed-bench.json files")
+    predict.set_defaults(run=_predict)
     return parser
 
 
