@@ -99,6 +99,24 @@ def test_pull_and_relay_is_a_two_level_tree():
     assert "2 leader(s) pull each bucket" in predicted.bound
 
 
+def test_kimi_relay_counts_the_slowest_replica_and_depth_binds_its_two_stages():
+    # replicas of 3 workers on hosts of 2: replica 1's leader (host 1) relays to two
+    # workers on host 2, both over its NIC (0.5 + 2 x 1 s); replica 0 sends one copy over
+    # its NIC and one inside its host (0.5 + 1 + 0.1 s)
+    spanning = cluster(replicas=2, workers_per_replica=3, rollout_workers_per_host=2)
+    predicted = sharded_pull("kimi", spanning, Workload(400, 100), EngineCosts())
+    assert [s.seconds for s in predicted.stages] == pytest.approx([2.5, 2.5])
+    one_slot = sharded_pull("kimi", spanning, Workload(400, 100, pipeline_depth=1),
+                            EngineCosts())
+    assert one_slot.seconds == pytest.approx(5.0 + 3 * 5.0)
+    assert one_slot.bound.startswith("pipeline depth 1")
+
+
+def test_one_bucket_through_one_stage_names_the_stage():
+    single = fan_out("gloo", cluster(replicas=2), Workload(100, 100), EngineCosts())
+    assert single.bound == "actor host 0 NIC uplink (2 copies a bucket)"
+
+
 def test_pipeline_depth_caps_the_overlap():
     stages = [Stage("a", 1.0), Stage("b", 1.0), Stage("c", 1.0)]
     assert pipeline("x", "y", stages, 5, depth=3).seconds == pytest.approx(3 + 4 * 1.0)
@@ -110,21 +128,24 @@ def test_pipeline_depth_caps_the_overlap():
 
 def test_plan_ranks_every_option_fastest_first_and_names_the_bound():
     gpus = Cluster(Link(50e9, 5e-6), Link(450e9, 2e-6), replicas=4, actor_ranks_per_host=2)
-    ranked = plan(gpus, Workload(100 << 30, 1 << 30), "gpu")
+    free = {"gloo": EngineCosts(), "nccl": EngineCosts()}
+    ranked = plan(gpus, Workload(100 << 30, 1 << 30), "gpu", costs=free)
     seconds = [item.prediction.seconds for item in ranked]
     assert seconds == sorted(seconds)
     found = {(item.prediction.backend, item.prediction.option): item for item in ranked}
     assert {("nccl", "broadcast"), ("nccl", "broadcast, 2 senders"), ("nixl", "ring"),
             ("kimi", "pull + nccl relay"), ("gloo", "broadcast")} <= set(found)
     nccl, gloo = found["nccl", "broadcast"].prediction, found["gloo", "broadcast"].prediction
-    assert 3.8 < gloo.seconds / nccl.seconds <= 4  # 4 copies through one uplink, not 1
+    assert 3.9 < gloo.seconds / nccl.seconds <= 4  # 4 copies through one uplink, not 1
     assert gloo.bound == "actor host 0 NIC uplink (4 copies a bucket)"
     assert found["nccl", "broadcast, 2 senders"].engine_kwargs == {"senders": 2}
 
 
 def test_unknown_backend_and_bad_layout_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="no cost model for backend 'naive'"):
+    with pytest.raises(ValueError, match="naive do not run on device 'cpu'"):
         plan(cluster(), Workload(100, 100), backends=["naive"])
+    with pytest.raises(ValueError, match="nccl do not run on device 'cpu'; on it: gloo, nixl"):
+        plan(cluster(), Workload(100, 100), backends=["nccl"])
     with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
         cluster(replicas=0)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):

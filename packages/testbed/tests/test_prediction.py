@@ -14,7 +14,7 @@ from weightsync_testbed.bench import BenchCell, BenchReport
 from weightsync_testbed.placement import on_host
 from weightsync_testbed.prediction import CellModel, fit_engine_costs
 
-MODEL = CellModel(Link(119.5e6, 20e-6), Link(3e9, 5e-6), 256 << 20, 64 << 20)
+MODEL = CellModel(Link(119.5e6, 20e-6), Link(3e9, 5e-6), 256 << 20, 64 << 20, cpu_cores=2)
 
 
 def test_probe_between_hosts_sees_the_shaped_link(testbed):
@@ -58,7 +58,7 @@ def test_report_prints_prediction_and_error_beside_each_cell():
                     BenchCell("gloo", 2, 4.0, 256 << 20, 1e9, predicted=3.6)]
     table = report.markdown()
     assert "(2.20 s, +10%)" in table and "(3.60 s, -10%)" in table
-    assert "Largest prediction error: 10% over 2 cells." in table
+    assert "Largest prediction error: 10% over 2 backend cells." in table
     assert "0.956 Gbit/s of payload" in table
 
 
@@ -66,7 +66,7 @@ def test_fit_recovers_the_costs_that_produced_the_times():
     truth = {"nixl": EngineCosts(per_bucket=0.03, per_byte=2e-9), "gloo": EngineCosts(0.02)}
     samples = []
     for bucket_mb in (8, 64):
-        model = CellModel(MODEL.nic, MODEL.intra_host, MODEL.nbytes, bucket_mb << 20)
+        model = CellModel(MODEL.nic, MODEL.intra_host, MODEL.nbytes, bucket_mb << 20, 2)
         for backend in truth:
             samples.append((model, backend, model.predict(backend, 1, truth).seconds))
     fitted = fit_engine_costs(samples)
@@ -77,7 +77,7 @@ def test_fit_recovers_the_costs_that_produced_the_times():
 
 
 def test_saved_run_round_trips_and_is_predicted_again():
-    report = BenchReport("1gbit", 256 << 20, 64, 3, 0.956e9, 2e-5, 26e9)
+    report = BenchReport("1gbit", 256 << 20, 64, 3, 0.956e9, 2e-5, 26e9, cpu_cores=2)
     report.cells = [BenchCell("mooncake", 2, 3.0, 256 << 20, 1e9)]
     again = BenchReport.from_dict(json.loads(json.dumps(report.as_dict())))
     assert again.cells[0].predicted is None

@@ -7,8 +7,12 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from weightsync_core.registry import CheckpointEngineRegistry
+
+if TYPE_CHECKING:
+    from weightsync_core.plan import Link
 
 __all__ = ["main"]
 
@@ -81,20 +85,38 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from weightsync_core.plan import Cluster, Link, Workload, plan, plan_table
+    try:
+        nic, intra = _plan_links(args)
+        return _print_plan(args, nic, intra)
+    except ValueError as exc:
+        print(f"weightsync plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
+    """NIC and intra-host links from the options, or probed (``--measure``)."""
+    from weightsync_core.plan import Link
 
     nic = Link(args.nic_gbit * 1e9 / 8, args.nic_latency_us * 1e-6)
     intra = Link(args.intra_gbyte * 1e9, args.intra_latency_us * 1e-6)
-    if args.measure:
-        import ray
+    if not args.measure:
+        return nic, intra
+    import ray
 
-        from weightsync_core.plan.probe import measure_cluster_links
+    from weightsync_core.plan.probe import measure_cluster_links
 
-        if not ray.is_initialized():
-            ray.init(address=args.address)
-        nic, intra = measure_cluster_links()
-        print(f"measured: NIC {nic.bandwidth * 8 / 1e9:.3f} Gbit/s, "
-              f"{nic.latency * 1e6:.0f} us; intra-host {intra.bandwidth / 1e9:.2f} GB/s")
+    if not ray.is_initialized():
+        ray.init(address=args.address)
+    nic, loopback = measure_cluster_links()
+    print(f"measured: NIC {nic.bandwidth * 8 / 1e9:.3f} Gbit/s, {nic.latency * 1e6:.0f} us"
+          f"; loopback {loopback.bandwidth / 1e9:.2f} GB/s"
+          + ("" if args.device == "cpu" else " (not used: --intra-* give the device link)"))
+    return nic, (loopback if args.device == "cpu" else intra)
+
+
+def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
+    from weightsync_core.plan import Cluster, Workload, plan, plan_table
+
     cluster = Cluster(
         nic, intra, actor_hosts=args.actor_hosts, actor_ranks_per_host=args.actor_ranks_per_host,
         replicas=args.replicas, workers_per_replica=args.workers_per_replica,

@@ -10,6 +10,7 @@ start of the run (:mod:`weightsync_testbed.prediction`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -79,6 +80,7 @@ class BenchReport:
     probed_bits_per_second: float = 0.0
     probed_latency_seconds: float = 0.0
     probed_intra_host_bits_per_second: float = 0.0
+    cpu_cores: int = 0
     cells: list[BenchCell] = field(default_factory=list)
 
     @classmethod
@@ -92,12 +94,13 @@ class BenchReport:
 
     def model(self) -> CellModel:
         """The cost model of this run's testbed: its probed links and its bytes."""
-        if not self.probed_bits_per_second:
-            raise ValueError("this run has no probed link figures (run it again with "
-                             "weightsync-testbed 0.2 or later)")
+        if not (self.probed_bits_per_second and self.probed_intra_host_bits_per_second
+                and self.cpu_cores):
+            raise ValueError("this run has no probed link figures or core count (run it "
+                             "again with weightsync-testbed 0.2 or later)")
         return CellModel(Link(self.probed_bits_per_second / 8, self.probed_latency_seconds),
                          Link(self.probed_intra_host_bits_per_second / 8),
-                         self.nbytes, self.bucket_megabytes << 20)
+                         self.nbytes, self.bucket_megabytes << 20, self.cpu_cores)
 
     def predict(self, costs: Mapping[str, EngineCosts] | None = None) -> None:
         """Fill every cell's prediction (and bound) from :meth:`model` and ``costs``
@@ -137,10 +140,15 @@ class BenchReport:
                 cell = self.cell(method, n)
                 row.append(f"| {_describe(cell)} " if cell else "| - ")
             lines.append("".join(row) + "|")
-        errors = [abs(c.prediction_error) for c in self.cells if c.prediction_error is not None]
-        if errors:
-            lines += ["", f"Largest prediction error: {max(errors):.0%} over {len(errors)} "
-                      "cells."]
+        lines.append("")
+        for kind, cells in (
+            ("backend", [c for c in self.cells if c.method in DEFAULT_ENGINE_KWARGS]),
+            ("baseline", [c for c in self.cells if c.method not in DEFAULT_ENGINE_KWARGS]),
+        ):
+            errors = [abs(c.prediction_error) for c in cells if c.prediction_error is not None]
+            if errors:
+                lines.append(f"Largest prediction error: {max(errors):.0%} over "
+                             f"{len(errors)} {kind} cells.")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -316,7 +324,8 @@ def run_testbed_bench(
     counts = sorted(set(receivers))
     replica_hosts = [f"r{i}" for i in range(max(counts))]
     nbytes = size_megabytes << 20
-    report = BenchReport(link.rate or "", nbytes, bucket_megabytes, repeats)
+    report = BenchReport(link.rate or "", nbytes, bucket_megabytes, repeats,
+                         cpu_cores=len(os.sched_getaffinity(0)))
     with Testbed(hosts=[_ACTOR_HOST, *replica_hosts], link=link, prefix="wstb"):
         nic = measure_link(on_host(_ACTOR_HOST), on_host(replica_hosts[0]))
         intra = measure_link(on_host(replica_hosts[0]), on_host(replica_hosts[0]))

@@ -1,10 +1,9 @@
 """What core's cost model (``weightsync_core.plan``) predicts for each cell of the testbed
 benchmark: one actor host, ``n`` replica hosts of one worker each, every host's processes
-sharing this machine's cores."""
+sharing the machine's cores."""
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ class CellModel:
     intra_host: Link
     nbytes: int
     bucket_bytes: int
+    cpu_cores: int
 
     def predict(
         self, method: str, receivers: int, costs: Mapping[str, EngineCosts] | None = None
@@ -40,7 +40,7 @@ class CellModel:
         broadcast`` or ``Ray object store``) at ``receivers`` hosts with ``costs`` (default:
         core's measured CPU costs); None if unmodelled."""
         cluster = Cluster(self.nic, self.intra_host, replicas=receivers,
-                          shared_cpu_cores=os.cpu_count() or 1)
+                          shared_cpu_cores=self.cpu_cores)
         synced = Workload(self.nbytes, self.bucket_bytes)
         whole = Workload(self.nbytes, self.nbytes)  # the baselines move one message
         costs = (MEASURED_CPU_COSTS if costs is None else costs).get(method, EngineCosts())
@@ -62,15 +62,18 @@ def fit_engine_costs(
 ) -> dict[str, EngineCosts]:
     """Fit each backend's costs from 1-receiver syncs: ``(model, backend, seconds)``.
 
-    With one receiver host two processes share the cores (no contention), so a sync of
-    ``B`` buckets of ``s`` bytes takes ``B * (wire(s) + per_bucket + per_byte * s)``. One
-    bucket size gives ``per_bucket``; two or more give both by least squares.
+    A sync to one receiver host of ``B`` buckets of ``s`` bytes takes ``B * (wire(s) +
+    per_bucket * contention + per_byte * s)`` (contention 1 where the cores are at least
+    the two processes). One bucket size gives ``per_bucket``; two or more give both by
+    least squares.
     """
     extra: dict[str, list[tuple[float, float]]] = {}
     for model, backend, seconds in samples:
         prediction = model.predict(backend, 1, {})
         if prediction is None:
             raise ValueError(f"no cost model for {backend!r}")
+        if model.cpu_cores < 2:
+            raise ValueError("fit engine costs from runs on at least 2 cores")
         wire = prediction.seconds / prediction.buckets
         extra.setdefault(backend, []).append(
             (model.bucket_bytes, seconds / prediction.buckets - wire))

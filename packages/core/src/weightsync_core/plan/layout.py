@@ -22,9 +22,9 @@ class Link:
     latency: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"a link's bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if self.latency < 0:
+        if not (math.isfinite(self.latency) and self.latency >= 0):
             raise ValueError(f"a link's latency must be >= 0 s, got {self.latency!r}")
 
     def seconds(self, nbytes: float, copies: int = 1) -> float:
@@ -84,10 +84,6 @@ class Cluster:
         """The host of rollout worker ``worker`` (workers fill hosts in rank order)."""
         return f"rollout host {worker // self.rollout_workers_per_host}"
 
-    def leaders(self) -> list[int]:
-        """The first rollout worker of every replica."""
-        return [replica * self.workers_per_replica for replica in range(self.replicas)]
-
     def cpu_contention(self, busy_processes: int) -> float:
         """How much longer per-bucket CPU work takes with ``busy_processes`` at work at
         once: 1 on a real cluster; processes over cores on a shared-core emulation."""
@@ -106,7 +102,8 @@ class Workload:
         largest_tensor_bytes: the largest single tensor. weightsync splits a tensor larger
             than a bucket into chunks, so it costs no time, but a receiver holds it whole
             while merging (see :attr:`receiver_memory_bytes`).
-        pipeline_depth: buckets a sender keeps in flight (2 = double buffering).
+        pipeline_depth: buckets in flight through a multi-stage pipeline (2 = double
+            buffering; kimi's slots). It binds only where stages outnumber buffers.
     """
 
     model_bytes: int

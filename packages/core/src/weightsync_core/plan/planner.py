@@ -37,8 +37,9 @@ MEASURED_CPU_COSTS: Mapping[str, EngineCosts] = {
 8 MiB buckets (see the core README, "Predicted and measured on the testbed")."""
 
 ASSUMED_GPU_COSTS: Mapping[str, EngineCosts] = {
-    name: EngineCosts(per_bucket=0.001)
-    for name in ("gloo", "nccl", "hccl", "nixl", "mooncake", "kimi")
+    **{name: EngineCosts(per_bucket=0.001) for name in ("nccl", "hccl", "nixl", "mooncake",
+                                                        "kimi")},
+    "gloo": MEASURED_CPU_COSTS["gloo"],  # gloo moves host memory over TCP on any cluster
 }
 """Engine costs for device buckets over RDMA and NVLink (or HCCS): assumed (1 ms a bucket
 for the control round trip and launch; no copy beyond the wire), not measured: no GPU
@@ -63,6 +64,7 @@ class PlannedOption:
 def topology_options(backend: str, cluster: Cluster, device: str = "cpu") -> list[PlannedOption]:
     """The topology options of ``backend`` on ``cluster``: broadcast engines with one sender
     and with every actor rank of actor host 0 sending; kimi with each relay collective."""
+    rdma = {} if device == "cpu" else {"protocol": "rdma"}
     senders = min(cluster.actor_ranks_per_host, cluster.rollout_workers)
     if backend in ("gloo", "nccl", "hccl"):
         topology = fan_out if backend == "gloo" else chained_broadcast
@@ -71,11 +73,13 @@ def topology_options(backend: str, cluster: Cluster, device: str = "cpu") -> lis
                               lambda c, w, e, k=k, b=backend, t=topology: t(b, c, w, e, k))
                 for k in counts]
     if backend in ("nixl", "mooncake"):
-        return [PlannedOption(backend, {"device": "cpu" if device == "cpu" else "cuda"},
-                              lambda c, w, e, b=backend: ring(b, c, w, e))]
+        kwargs = {"device": "cpu" if device == "cpu" else "cuda"}
+        if backend == "mooncake":
+            kwargs |= rdma
+        return [PlannedOption(backend, kwargs, lambda c, w, e, b=backend: ring(b, c, w, e))]
     if backend == "kimi":
         collectives = ("nccl", "gloo") if device == "gpu" else ("gloo",)
-        return [PlannedOption(backend, {"collective": name},
+        return [PlannedOption(backend, {"collective": name} | rdma,
                               lambda c, w, e, r=("chained" if name == "nccl" else "fan-out"):
                               sharded_pull("kimi", c, w, e, r))
                 for name in collectives]
@@ -110,8 +114,15 @@ def plan(
         raise ValueError(f"device must be one of {', '.join(_DEVICE_BACKENDS)}, got {device!r}")
     table = dict(MEASURED_CPU_COSTS if device == "cpu" else ASSUMED_GPU_COSTS)
     table.update(costs or {})
+    chosen = list(dict.fromkeys(backends or _DEVICE_BACKENDS[device]))
+    unfit = [name for name in chosen if name not in _DEVICE_BACKENDS[device]]
+    if unfit:
+        raise ValueError(
+            f"backend(s) {', '.join(unfit)} do not run on device {device!r}; on it: "
+            f"{', '.join(_DEVICE_BACKENDS[device])} (naive only runs colocated)"
+        )
     ranked = []
-    for backend in backends or _DEVICE_BACKENDS[device]:
+    for backend in chosen:
         for option in topology_options(backend, cluster, device):
             prediction = option.predict(cluster, workload, table.get(backend, EngineCosts()))
             ranked.append(RankedPrediction(prediction, option.engine_kwargs))

@@ -3,7 +3,7 @@
 A sync is ``B`` buckets pushed through stages (a NIC hop, an intra-host hop, a fan-out over
 one uplink, ...). With every stage's time per bucket known, the sync takes
 
-    fixed + sum(stages) + (B - 1) * period,   period = max(slowest stage, sum(stages) / depth)
+    sum(stages) + (B - 1) * period,   period = max(slowest stage, sum(stages) / depth)
 
 (the first bucket crosses every stage; each later one leaves one period after the previous;
 ``depth`` buckets in flight cap the overlap). A stage's time is its wire time (latency plus
@@ -45,12 +45,10 @@ class EngineCosts:
         per_bucket: CPU seconds per bucket (posting, polling, control messages); stretched
             by CPU contention on a shared-core emulation.
         per_byte: seconds per byte not hidden behind the wire (copies, checksums).
-        per_sync: seconds per sync outside the bucket pipeline.
     """
 
     per_bucket: float = 0.0
     per_byte: float = 0.0
-    per_sync: float = 0.0
 
     def bucket_seconds(self, nbytes: float, contention: float = 1.0) -> float:
         """The engine's own time for one bucket of ``nbytes`` on one hop."""
@@ -87,8 +85,7 @@ class Prediction:
 
 
 def pipeline(
-    backend: str, option: str, stages: Sequence[Stage], buckets: int, depth: int,
-    fixed: float = 0.0,
+    backend: str, option: str, stages: Sequence[Stage], buckets: int, depth: int
 ) -> Prediction:
     """The sync time of ``buckets`` buckets through ``stages`` with ``depth`` in flight."""
     if not stages:
@@ -97,14 +94,14 @@ def pipeline(
     slowest = max(stages, key=lambda stage: stage.seconds)
     period = max(slowest.seconds, total / depth)
     steady = (buckets - 1) * period
-    if steady < total:
-        bound = f"pipeline fill: one bucket through {len(stages)} stage(s)"
+    if steady < total and len(stages) > 1:
+        bound = f"pipeline fill: one bucket through {len(stages)} stages"
     elif slowest.seconds >= total / depth:
         ties = sum(1 for stage in stages if stage.seconds >= slowest.seconds * (1 - 1e-9))
         bound = slowest.name + (f" (and {ties - 1} more as slow)" if ties > 1 else "")
     else:
         bound = f"pipeline depth {depth}: {len(stages)} stages share {depth} bucket buffers"
-    return Prediction(backend, option, fixed + total + steady, bound, buckets, tuple(stages))
+    return Prediction(backend, option, total + steady, bound, buckets, tuple(stages))
 
 
 def _copies(count: int) -> str:
@@ -128,7 +125,7 @@ def ring(
         kind = "intra-host hop on " + here if here == there else f"NIC hop {here} -> {there}"
         wire = _hop_link(cluster, here, there).seconds(size)
         stages.append(Stage(kind, wire + costs.bucket_seconds(size, contention)))
-    return pipeline(backend, "ring", stages, workload.buckets, len(stages), costs.per_sync)
+    return pipeline(backend, "ring", stages, workload.buckets, len(stages))
 
 
 def _fan_out_stage(
@@ -157,8 +154,7 @@ def fan_out(
     stage = _fan_out_stage(cluster, workload.bucket_bytes, range(cluster.rollout_workers),
                            costs, contention)
     option = "broadcast" + (f", {senders} senders" if senders > 1 else "")
-    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth,
-                    costs.per_sync)
+    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth)
 
 
 def _split(total: int, parts: int) -> list[range]:
@@ -176,7 +172,9 @@ def chained_broadcast(
 ) -> Prediction:
     """Collective broadcast pipelined along a ring of its members (NCCL, HCCL): each sender's
     group crosses every host boundary once, so a NIC carries one copy per group through it;
-    ``senders`` groups (relays on actor host 0) put ``senders`` copies on its uplink."""
+    ``senders`` groups (relays on actor host 0) put ``senders`` copies on its uplink. Every
+    bucket is a collective of its own, and collectives on one communicator run one after
+    another, so every bucket pays the chain's fill (a chunk and a latency a hop)."""
     size = workload.bucket_bytes
     up: Counter[str] = Counter()
     down: Counter[str] = Counter()
@@ -194,17 +192,28 @@ def chained_broadcast(
     # NCCL streams a bucket in chunks: the last chunk trails the first by a chunk a hop.
     chunk = min(NCCL_CHUNK_BYTES, size)
     wire = longest * cluster.nic.latency + (longest - 1) * chunk / cluster.nic.bandwidth
-    name = "intra-host link"
-    if nic_copies:
-        wire += nic_copies * size / cluster.nic.bandwidth
-        name = f"NIC of the busiest host ({_copies(nic_copies)} a bucket)"
+    wire += nic_copies * size / cluster.nic.bandwidth  # the actor host is never a rollout host
+    name = f"NIC of the busiest host ({_copies(nic_copies)} a bucket)"
     if intra_hops:
         wire = max(wire, cluster.intra_host.seconds(size))
     contention = cluster.cpu_contention(cluster.rollout_workers + senders)
     stage = Stage(name, wire + costs.bucket_seconds(size, contention))
     option = "broadcast" + (f", {senders} senders" if senders > 1 else "")
-    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth,
-                    costs.per_sync)
+    return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth)
+
+
+def _relay_stage(
+    cluster: Cluster, size: float, leader: int, relay: str, contention: float
+) -> Stage:
+    """The relay of one bucket from ``leader`` to the rest of its replica."""
+    members = range(leader + 1, leader + cluster.workers_per_replica)
+    leader_host = cluster.rollout_host(leader)
+    if relay == "chained":
+        spans_hosts = any(cluster.rollout_host(w) != leader_host for w in members)
+        link = cluster.nic if spans_hosts else cluster.intra_host
+        return Stage("relay inside a replica (chained broadcast)", link.seconds(size))
+    stage = _fan_out_stage(cluster, size, members, EngineCosts(), contention, leader_host)
+    return Stage(f"relay inside a replica: {stage.name}", stage.seconds)
 
 
 def sharded_pull(
@@ -214,7 +223,8 @@ def sharded_pull(
     """kimi: every actor rank serves its share; every replica's leader pulls every bucket
     (owners interleaved, all leaders in the same order, so one owner's host serves all
     leaders at once) and relays it to the rest of its replica over a collective broadcast
-    (``relay``: ``fan-out`` for gloo, ``chained`` for nccl), overlapping the next pull."""
+    (``relay``: ``fan-out`` for gloo, ``chained`` for nccl), overlapping the next pull
+    (``pipeline_depth`` slots; kimi has 2). The slowest replica's relay counts."""
     if relay not in ("fan-out", "chained"):
         raise ValueError(f"relay must be 'fan-out' or 'chained', got {relay!r}")
     size = workload.bucket_bytes
@@ -223,16 +233,12 @@ def sharded_pull(
         f"owner's host NIC uplink ({cluster.replicas} leader(s) pull each bucket)",
         cluster.nic.seconds(size, cluster.replicas) + costs.bucket_seconds(size, contention),
     )]
-    members = range(1, cluster.workers_per_replica)
-    leader_host = cluster.rollout_host(0)
-    if members and relay == "chained":
-        spans_hosts = any(cluster.rollout_host(w) != leader_host for w in members)
-        link = cluster.nic if spans_hosts else cluster.intra_host
-        stages.append(Stage("relay inside a replica (chained broadcast)", link.seconds(size)))
-    elif members:
-        stage = _fan_out_stage(cluster, size, members, EngineCosts(), contention, leader_host)
-        stages.append(Stage(f"relay inside a replica: {stage.name}", stage.seconds))
+    relay_stages = [_relay_stage(cluster, size, leader, relay, contention)
+                    for leader in range(0, cluster.rollout_workers, cluster.workers_per_replica)
+                    if cluster.workers_per_replica > 1]
+    if relay_stages:
+        stages.append(max(relay_stages, key=lambda stage: stage.seconds))
     share = math.ceil(workload.model_bytes / cluster.actor_ranks)
     buckets = cluster.actor_ranks * math.ceil(share / workload.bucket_bytes)
     option = f"pull + {'nccl' if relay == 'chained' else 'gloo'} relay"
-    return pipeline(backend, option, stages, buckets, 2, costs.per_sync)
+    return pipeline(backend, option, stages, buckets, workload.pipeline_depth)
