@@ -107,9 +107,7 @@ class BenchReport:
         (default: core's measured CPU costs)."""
         model = self.model()
         for cell in self.cells:
-            prediction = model.predict(cell.method, cell.receivers, costs)
-            if prediction is not None:
-                cell.predicted, cell.bound = prediction.seconds, prediction.bound
+            _predict_cell(model, cell, costs)
 
     def cell(self, method: str, receivers: int) -> BenchCell | None:
         """The cell of ``method`` at ``receivers`` hosts, if measured."""
@@ -183,6 +181,14 @@ class BenchReport:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
         plt.close(figure)
+
+
+def _predict_cell(
+    model: CellModel, cell: BenchCell, costs: Mapping[str, EngineCosts] | None = None
+) -> None:
+    prediction = model.predict(cell.method, cell.receivers, costs)
+    if prediction is not None:
+        cell.predicted, cell.bound = prediction.seconds, prediction.bound
 
 
 def _describe(cell: BenchCell) -> str:
@@ -349,9 +355,7 @@ def run_testbed_bench(
 def _add(report: BenchReport, model: CellModel, cells: list[BenchCell]) -> None:
     """Predict ``cells``, record them and say so (a matrix takes minutes)."""
     for cell in cells:
-        prediction = model.predict(cell.method, cell.receivers)
-        if prediction is not None:
-            cell.predicted, cell.bound = prediction.seconds, prediction.bound
+        _predict_cell(model, cell)
         report.cells.append(cell)
         print(f"  {cell.method}, {cell.receivers} receiver host(s): {_describe(cell)}",
               flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from weightsync_core.plan.layout import Cluster, Workload
@@ -70,18 +71,18 @@ def topology_options(backend: str, cluster: Cluster, device: str = "cpu") -> lis
         topology = fan_out if backend == "gloo" else chained_broadcast
         counts = sorted({1, senders})
         return [PlannedOption(backend, {"senders": k} if k > 1 else {},
-                              lambda c, w, e, k=k, b=backend, t=topology: t(b, c, w, e, k))
+                              partial(topology, backend, senders=k))
                 for k in counts]
     if backend in ("nixl", "mooncake"):
         kwargs = {"device": "cpu" if device == "cpu" else "cuda"}
         if backend == "mooncake":
             kwargs |= rdma
-        return [PlannedOption(backend, kwargs, lambda c, w, e, b=backend: ring(b, c, w, e))]
+        return [PlannedOption(backend, kwargs, partial(ring, backend))]
     if backend == "kimi":
         collectives = ("nccl", "gloo") if device == "gpu" else ("gloo",)
         return [PlannedOption(backend, {"collective": name} | rdma,
-                              lambda c, w, e, r=("chained" if name == "nccl" else "fan-out"):
-                              sharded_pull("kimi", c, w, e, r))
+                              partial(sharded_pull, backend,
+                                      relay="chained" if name == "nccl" else "fan-out"))
                 for name in collectives]
     raise ValueError(
         f"no cost model for backend {backend!r}; planned backends: gloo, nccl, hccl, nixl, "

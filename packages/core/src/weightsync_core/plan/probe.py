@@ -28,7 +28,8 @@ PROBE_SECONDS = 60.0
 """Deadline of one probe (connection, pings and bulk transfer)."""
 
 
-def _remaining(sock: socket.socket, deadline: float) -> None:
+def _timeout_until(sock: socket.socket, deadline: float) -> None:
+    """Let ``sock``'s next call wait no later than ``deadline``."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError(f"the link probe ran past its {PROBE_SECONDS:.0f} s deadline")
@@ -39,7 +40,7 @@ def _receive_exactly(sock: socket.socket, nbytes: int, deadline: float) -> bytes
     """``nbytes`` (a token or a ping) from ``sock`` before ``deadline``."""
     data = bytearray()
     while len(data) < nbytes:
-        _remaining(sock, deadline)
+        _timeout_until(sock, deadline)
         chunk = sock.recv(nbytes - len(data))
         if not chunk:
             raise ConnectionError("the probe's peer closed the connection")
@@ -65,7 +66,7 @@ class ProbeReceiver:
         answered by one byte. Connections without the token are closed unread."""
         deadline = time.monotonic() + PROBE_SECONDS
         while True:
-            _remaining(self._listener, deadline)
+            _timeout_until(self._listener, deadline)
             connection, _ = self._listener.accept()
             with connection:
                 try:
@@ -81,7 +82,7 @@ class ProbeReceiver:
                 buffer = bytearray(_CHUNK)
                 remaining = nbytes
                 while remaining:
-                    _remaining(connection, deadline)
+                    _timeout_until(connection, deadline)
                     count = connection.recv_into(buffer, min(remaining, _CHUNK))
                     if not count:
                         raise ConnectionError("the probe's sender closed mid-transfer")
@@ -111,7 +112,7 @@ class ProbeSender:
             start = time.perf_counter()
             remaining = nbytes
             while remaining:
-                _remaining(connection, deadline)
+                _timeout_until(connection, deadline)
                 count = min(remaining, _CHUNK)
                 connection.sendall(payload[:count])
                 remaining -= count
