@@ -68,3 +68,21 @@ def test_short_waits_blame_nobody() -> None:
         NAMES[2]: _report(waiting=[("rollout rank 0", "waiting for bucket 3", short)]),
     }
     assert stalled_processes(reports, NAMES) == []
+
+
+def test_without_a_mutual_wait_the_process_others_wait_on_at_the_edge_is_blamed() -> None:
+    # the same partition, but rank 0 got rank 1's hello and is connecting to it (a call
+    # that may mark no wait): rank 1 got nothing from rank 0, rank 2 nothing from rank 1
+    waited = STUCK_WAIT_SECONDS + 15
+    reports = {
+        NAMES[0]: _report("sending", tensors=16,
+                          waiting=[("rollout rank 0", "a free slot for bucket 2", waited)]),
+        NAMES[1]: _report(tensors=16),
+        NAMES[2]: _report(tensors=0, waiting=[("rollout rank 0", "waiting for bucket 0",
+                                               waited)]),
+        NAMES[3]: _report(tensors=0, waiting=[("rollout rank 1", "waiting for bucket 0",
+                                               waited + 1)]),
+    }
+    culprits = stalled_processes(reports, NAMES)
+    assert culprits[0].name == NAMES[1]
+    assert NAMES[2] in culprits[0].verdict and "network between their hosts" in culprits[0].verdict

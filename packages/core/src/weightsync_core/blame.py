@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +103,8 @@ def stalled_processes(
     asked (``None``: it did not answer in time): the silent ones, then those stuck in
     their server or weights iterator, then pairs that have waited on each other for
     :data:`STUCK_WAIT_SECONDS` or more (each waits for a message or a write the other
-    never gets: the network between their hosts). ``names`` translate the engines' names
+    never gets: the network between their hosts), or without such a pair the process others
+    wait on at the stall's edge. ``names`` translate the engines' names
     of peers (``rollout rank 2``) to the manager's."""
     silent = [Culprit(name, "stopped responding (frozen, or its event loop is blocked)")
               for name, report in progress.items() if report is None]
@@ -147,7 +148,26 @@ def _mutual_waits(
                     name, f"stopped making progress: it and {peer} have waited on each "
                           f"other for {seconds:.0f}s ({what}); is the network between "
                           "their hosts broken?")))
-    return [culprit for *_, culprit in sorted(ranked, key=lambda entry: entry[:2])]
+    if ranked:
+        return [culprit for *_, culprit in sorted(ranked, key=lambda entry: entry[:2])]
+    return _one_sided_waits(waits, tensors)
+
+
+def _one_sided_waits(
+    waits: dict[str, dict[str, tuple[str, float]]], tensors: Callable[[str], int]
+) -> list[Culprit]:
+    """Without a mutual wait (one side is busy in a call that marks no wait, such as
+    connecting), blame the process that others wait on: first where the waiter got nothing
+    through at all and the waited-on process did get data (the edge of the stall), then by
+    the age of the wait."""
+    ranked = [
+        (tensors(name), -tensors(peer), -seconds, Culprit(
+            peer, f"stopped delivering: {name} has waited on it for {seconds:.0f}s ({what}) "
+                  f"and got {tensors(name)} tensors through; is {peer} stuck, or the "
+                  "network between their hosts broken?"))
+        for name, peers in waits.items() for peer, (what, seconds) in peers.items()
+    ]
+    return [culprit for *_, culprit in sorted(ranked, key=lambda entry: entry[:3])]
 
 
 _STUCK_STATES = {

@@ -246,7 +246,8 @@ class _Session:
                     asyncio.shield(self._hello), timeout=engine.timeout,
                     on_timeout="waiting for its hello", peer=placement.downstream_name,
                 )
-                peer = await run_blocking(engine.connect_peer, hello.peer)
+                with engine.progress.waiting_on(placement.downstream_name, "connecting to it"):
+                    peer = await run_blocking(engine.connect_peer, hello.peer)
                 self._downstream = _Downstream(peer, list(hello.slots), metadata=hello.peer)
                 for slot in range(len(self._downstream.slots)):
                     self._downstream.free.put_nowait(slot)
@@ -265,9 +266,11 @@ class _Session:
             async with downstream.gate.renewing():
                 if slot in downstream.unloaded:  # not already loaded by another forward
                     downstream.unloaded.clear()
-                    downstream.peer = await run_blocking(
-                        self.engine.connect_peer, downstream.metadata
-                    )
+                    with self.engine.progress.waiting_on(self.placement.downstream_name,
+                                                         "reconnecting to it"):
+                        downstream.peer = await run_blocking(
+                            self.engine.connect_peer, downstream.metadata
+                        )
         return downstream, slot
 
     async def send(self, endpoint: str, peer: str, message: RingMessage) -> None:
