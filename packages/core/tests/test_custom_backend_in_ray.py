@@ -50,3 +50,26 @@ def test_path_like_custom_backend_module_is_refused_before_anything_starts():
         SyncHarness(
             CheckpointEngineConfig(backend="gloo", custom_backend_module="./acme_weightsync.py")
         )
+
+
+def test_an_engine_written_for_verl_runs_with_only_its_base_import_changed(
+    external_plugins_on_path,
+):
+    # verl_style_engine.py is written as verl writes engines (own constructor, no stats from
+    # send_weights, verl's chunk helpers); tensors several buckets long are split and merged
+    config = CheckpointEngineConfig(
+        backend="verl_style_gloo", custom_backend_module="verl_style_engine",
+        update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
+        engine_kwargs={"verl_style_gloo": {"rebuild_group": True}},
+    )
+    harness = SyncHarness(config, actor_world_size=2, replica_sizes=(1, 2))
+    try:
+        for step in (41, 42):
+            expected = harness.set_weights(seed=step)
+            metrics = harness.manager().update_weights(step)  # from synchronous code
+            assert metrics["weightsync/tensors"] == len(expected)
+            for report in harness.reports():
+                assert report["received"] == expected
+                assert report["global_steps"][-1] == step
+    finally:
+        harness.shutdown()

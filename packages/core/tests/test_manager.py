@@ -68,16 +68,22 @@ class LifecycleReplica:
         self.calls = []
         self.fail_abort = fail_abort
 
-    async def abort_all_requests(self):
-        self.calls.append("abort_all_requests")
+    async def abort_all_requests(self, reject_request=False):
+        self.calls.append("abort_all_requests" + (" (reject)" if reject_request else ""))
         if self.fail_abort:
             raise RuntimeError("server unreachable")
 
     async def release_kv_cache(self):
         self.calls.append("release_kv_cache")
 
+    async def resume_kv_cache(self):
+        self.calls.append("resume_kv_cache")
+
     async def resume_generation(self):
         self.calls.append("resume_generation")
+
+    async def sleep(self, **options):
+        self.calls.append(("sleep", options))
 
 
 def test_failure_before_transfer_resumes_replicas_but_never_stale_ones():
@@ -89,6 +95,82 @@ def test_failure_before_transfer_resumes_replicas_but_never_stale_ones():
     with pytest.raises(SyncStageError, match="stage 'abort_requests' on replica 1") as info:
         manager.update_weights_sync(global_steps=1)
     assert info.value.stage == "abort_requests"
-    assert "resume_generation" in failing.calls
+    assert failing.calls[-2:] == ["resume_kv_cache", "resume_generation"]
     assert "resume_generation" not in stale.calls
     assert manager.stale_replicas == [stale]
+
+
+def test_update_weights_runs_when_called_from_synchronous_code():
+    # verl's trainer calls checkpoint_manager.update_weights(global_steps) without await: it
+    # must run the sync (here: fail for want of replicas), never return a dropped coroutine
+    manager = CheckpointEngineManager(CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]))
+    with pytest.raises(SyncStageError, match="add_replicas"):
+        manager.update_weights(3)
+
+
+def test_update_weights_is_awaitable_from_async_code_and_from_helpers_it_calls():
+    manager = CheckpointEngineManager(CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]))
+
+    async def trainer_step():
+        direct = manager.update_weights(4)
+        helpers = [manager.update_weights(step) for step in (5, 6)]  # a comprehension's frame
+        assert all(inspect.iscoroutine(call) for call in [direct, *helpers])
+        return await asyncio.gather(direct, *helpers, return_exceptions=True)
+
+    errors = asyncio.run(trainer_step())
+    assert all(isinstance(error, SyncStageError) for error in errors)
+
+
+def test_update_weights_from_a_synchronous_function_inside_a_running_loop_runs_it():
+    manager = CheckpointEngineManager(CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]))
+
+    def synchronous_callback():
+        return manager.update_weights(7)
+
+    async def main():
+        with pytest.raises(SyncStageError, match="add_replicas"):
+            synchronous_callback()
+
+    asyncio.run(main())
+
+
+def test_replica_lifecycle_methods_reach_every_replica_from_sync_and_async_code():
+    first, second = LifecycleReplica(), LifecycleReplica()
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]), [first, second]
+    )
+    manager.release_kv_cache_replicas()
+    manager.resume_kv_cache_replicas()
+    manager.abort_replicas()
+    manager.abort_replicas(reject_request=True)
+    manager.resume_generation_replicas()
+
+    async def asynchronous():
+        await manager.sleep_replicas()
+
+    asyncio.run(asynchronous())
+    for replica in (first, second):
+        assert replica.calls == ["release_kv_cache", "resume_kv_cache", "abort_all_requests",
+                                 "abort_all_requests (reject)", "resume_generation",
+                                 ("sleep", {})]
+
+
+def test_replica_lifecycle_failures_name_the_replica_and_missing_methods_are_explained():
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]),
+        [LifecycleReplica(), LifecycleReplica(fail_abort=True)],
+    )
+    with pytest.raises(SyncStageError, match="stage 'abort_replicas' on replica 1"):
+        manager.abort_replicas()
+    with pytest.raises(TypeError, match=r"LifecycleReplica.*no wake_up"):
+        manager.wake_up_replicas()
+
+
+def test_a_colocated_sync_leaves_replicas_alone_as_verl_does():
+    replica = LifecycleReplica()
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="naive"), RayWorkerGroup([]), [replica]
+    )
+    with pytest.raises(SyncStageError, match="moved no tensors"):
+        manager.update_weights(8)
+    assert replica.calls == []

@@ -50,6 +50,11 @@ def test_unknown_backend_suggests_a_close_name():
         CheckpointEngineRegistry.get("glooo")
 
 
+def test_an_unknown_backend_is_also_a_value_error_as_verl_callers_expect():
+    with pytest.raises(ValueError, match="glooo"):
+        CheckpointEngineRegistry.get("glooo")
+
+
 def test_new_builds_an_instance():
     engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20)
     assert isinstance(engine, GlooCheckpointEngine)

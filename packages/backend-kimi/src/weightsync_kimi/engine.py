@@ -62,6 +62,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             ``"nccl"`` or ``"hccl"`` (installed separately).
         collective_kwargs: its constructor arguments.
         keep_buffers: keep the leader's pull buffers between syncs.
+        rebuild_group: verl's name for starting every sync afresh: the collective builds
+            a new group each sync and the pull buffers are not kept.
         **kwargs: see :class:`~weightsync_core.CheckpointEngine`.
     """
 
@@ -75,6 +77,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         collective: str = "gloo",
         collective_kwargs: dict[str, Any] | None = None,
         keep_buffers: bool = True,
+        rebuild_group: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -87,10 +90,11 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self.device_name = device_name
         self.host = host
         self.collective = collective
-        self.keep_buffers = keep_buffers
+        self.keep_buffers = keep_buffers and not rebuild_group
+        self.rebuild_group = rebuild_group
         self._inner = inner_cls(
             bucket_size, verify=self.verify, timeout=self.timeout, host=host,
-            **(collective_kwargs or {}),
+            **{"rebuild_group": rebuild_group, **(collective_kwargs or {})},
         )
         self._endpoints = PeerEndpoints(
             host, lambda: MooncakeTransport(host or default_host(), protocol, device_name),

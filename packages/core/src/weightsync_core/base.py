@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from abc import ABC, abstractmethod
@@ -100,11 +101,21 @@ class CheckpointEngine(ABC):
         rollout_dtype: cast floating-point tensors to this dtype before sending.
         verify: check deliveries against the sender's manifest (engines that move bytes).
         timeout: seconds any single wait may take before the engine raises.
+        is_master: verl's workers pass ``True`` on actor rank 0. weightsync takes the
+            sync's master (the process that hosts its rendezvous) from the topology, which
+            makes actor rank 0 the master too, so the flag is recorded and changes nothing.
+
+    An engine written for verl, whose constructor sets its own attributes without calling
+    this one, runs as it is: the attributes here have class defaults.
     """
 
     is_colocated: ClassVar[bool] = False
     """True for engines where actor and rollout share one process (no transfer)."""
 
+    rollout_dtype: torch.dtype | None = None
+    verify: bool = True
+    timeout: float = 600.0
+    is_master: bool = False
     _session_key: bytes | None = None
     host: str | None = None
     """Address this process binds and peers reach it at (``None``: :func:`default_host`)."""
@@ -116,15 +127,22 @@ class CheckpointEngine(ABC):
         rollout_dtype: str | torch.dtype | None = None,
         verify: bool = True,
         timeout: float = 600.0,
+        is_master: bool = False,
     ) -> None:
         if bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
+        if not isinstance(is_master, bool):
+            raise TypeError(f"is_master must be True or False, got {is_master!r}")
         self.bucket_size = int(bucket_size)
         self.rollout_dtype = parse_dtype(rollout_dtype)
         self.verify = verify
         self.timeout = float(timeout)
-        self.progress = SyncProgress()
+        self.is_master = is_master
+
+    @functools.cached_property
+    def progress(self) -> SyncProgress:
         """Updated by the worker that owns the engine; read through :meth:`sync_progress`."""
+        return SyncProgress()
 
     def set_session_key(self, key: bytes) -> None:
         """Take this sync's session key: a fresh secret the manager hands every process of

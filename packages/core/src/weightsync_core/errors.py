@@ -33,8 +33,9 @@ class WeightSyncError(RuntimeError):
     """
 
 
-class BackendNotFoundError(WeightSyncError, LookupError):
-    """No checkpoint-engine backend of that name is registered or known."""
+class BackendNotFoundError(WeightSyncError, LookupError, ValueError):
+    """No checkpoint-engine backend of that name is registered or known (also a
+    ``ValueError``, which is what verl's registry raises and its callers catch)."""
 
 
 class BackendNotInstalledError(BackendNotFoundError):

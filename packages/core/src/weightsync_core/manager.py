@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import inspect
 import itertools
 import logging
+import sys
+import types
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -28,7 +32,7 @@ from weightsync_core.ray_group import RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.wire import new_session_key
 
-__all__ = ["CheckpointEngineManager", "run_sync"]
+__all__ = ["CheckpointEngineManager", "awaitable_or_blocking", "run_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,36 @@ def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+_ANONYMOUS_FRAMES = frozenset({"<lambda>", "<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
+_ASYNC_FLAGS = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _called_from_async_code(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` (a caller) is a coroutine, looking through lambdas and
+    comprehensions to the function that wrote them."""
+    while frame is not None and frame.f_code.co_name in _ANONYMOUS_FRAMES:
+        frame = frame.f_back
+    return frame is not None and bool(frame.f_code.co_flags & _ASYNC_FLAGS)
+
+
+def awaitable_or_blocking(
+    method: Callable[..., Coroutine[Any, Any, T]],
+) -> Callable[..., Any]:
+    """Make an ``async`` method callable the way verl's trainer code calls its manager: from
+    a coroutine it returns the coroutine to await; from synchronous code it runs it to the
+    end and returns the result (in a helper thread when the thread already runs an event
+    loop), so a call is never a silently dropped coroutine."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        coroutine = method(*args, **kwargs)
+        if _called_from_async_code(sys._getframe(1)):
+            return coroutine
+        return run_sync(coroutine)
+
+    return call
 
 
 class _StageRunner:
@@ -144,17 +178,74 @@ class CheckpointEngineManager:
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
         self._addresses = {}  # rollout ranks are renumbered
 
+    def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
+        """The worker group a sync drives on the rollout side, from the replicas' workers
+        (a :class:`RayWorkerGroup`; override for workers with other calling conventions,
+        as ``weightsync-verl`` does for verl's)."""
+        return RayWorkerGroup(workers)
+
+    @awaitable_or_blocking
+    async def sleep_replicas(self) -> None:
+        """Put every replica to sleep (free weight and KV-cache memory); replicas must
+        implement ``sleep()``, as verl's do."""
+        await self._lifecycle("sleep_replicas", "sleep")
+
+    @awaitable_or_blocking
+    async def wake_up_replicas(self) -> None:
+        """Wake every replica (restore weight and KV-cache memory); replicas must implement
+        ``wake_up()``, as verl's do."""
+        await self._lifecycle("wake_up_replicas", "wake_up")
+
+    @awaitable_or_blocking
+    async def abort_replicas(self, reject_request: bool = False) -> None:
+        """Stop in-flight generation on every replica. ``reject_request``: fail requests
+        that arrive until :meth:`resume_generation_replicas` instead of parking them (passed
+        to replicas only when set, as verl's replicas take it)."""
+        options = {"reject_request": True} if reject_request else {}
+        await self._lifecycle("abort_replicas", "abort_all_requests", **options)
+
+    @awaitable_or_blocking
+    async def resume_generation_replicas(self) -> None:
+        """Let every replica serve again."""
+        await self._lifecycle("resume_generation_replicas", "resume_generation")
+
+    @awaitable_or_blocking
+    async def release_kv_cache_replicas(self) -> None:
+        """Free every replica's KV cache, keeping its weights (a sync does this itself)."""
+        await self._lifecycle("release_kv_cache_replicas", "release_kv_cache")
+
+    @awaitable_or_blocking
+    async def resume_kv_cache_replicas(self) -> None:
+        """Restore every replica's KV cache (a sync does this itself after the transfer)."""
+        await self._lifecycle("resume_kv_cache_replicas", "resume_kv_cache")
+
+    async def _lifecycle(self, stage: str, method: str, **options: Any) -> None:
+        """Call ``method`` on every replica at once, within ``sync_timeout_seconds``; a
+        failure names the replica."""
+        missing = sorted({type(r).__name__ for r in self.replicas if not hasattr(r, method)})
+        if missing:
+            raise TypeError(
+                f"{stage}: replica class(es) {', '.join(missing)} have no {method}() method; "
+                f"implement it to use {stage}"
+            )
+        deadline = asyncio.get_running_loop().time() + self.config.sync_timeout_seconds
+        calls = [(f"replica {index}", getattr(replica, method)(**options))
+                 for index, replica in enumerate(self.replicas)]
+        await self._run_stage(stage, calls, deadline)
+
     def update_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
     ) -> dict[str, float]:
         """:meth:`update_weights` for synchronous callers."""
-        return run_sync(self.update_weights(global_steps,
-                                            allow_manifest_change=allow_manifest_change))
+        return run_sync(self._update_weights(global_steps, allow_manifest_change))
 
+    @awaitable_or_blocking
     async def update_weights(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
     ) -> dict[str, float]:
-        """Move the actor's current weights to every replica; return metrics.
+        """Move the actor's current weights to every replica; return metrics. Await it from
+        async code; called from synchronous code it runs the sync and returns the metrics
+        (as verl's trainer calls ``checkpoint_manager.update_weights(global_steps)``).
 
         A sync that delivers no tensors fails, and so does one whose tensor names, shapes or
         dtypes differ from what a replica loaded in its previous sync (it is refused before
@@ -165,21 +256,33 @@ class CheckpointEngineManager:
         ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps``
         and ``gbps`` (payload bytes per second).
         """
+        return await self._update_weights(global_steps, allow_manifest_change)
+
+    async def _update_weights(
+        self, global_steps: int | None, allow_manifest_change: bool
+    ) -> dict[str, float]:
         return await self._sync(list(self.replicas), global_steps, False, allow_manifest_change)
 
     def update_replicas_from_cache_sync(
         self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
     ) -> dict[str, float]:
         """:meth:`update_replicas_from_cache` for synchronous callers."""
-        return run_sync(self.update_replicas_from_cache(replicas, global_steps))
+        return run_sync(self._update_replicas_from_cache(replicas, global_steps))
 
+    @awaitable_or_blocking
     async def update_replicas_from_cache(
         self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
     ) -> dict[str, float]:
         """Bring managed ``replicas`` (e.g. just added) to the latest update from the actor
         side's cache, without the actor ranks sending again (backends with a cache, such as
         ``kimi``). ``global_steps`` is the version to report (that of the last update).
-        Metrics as :meth:`update_weights`; ``bytes`` is what the replicas loaded."""
+        Metrics as :meth:`update_weights`; ``bytes`` is what the replicas loaded. Awaitable,
+        or run to the end from synchronous code, like :meth:`update_weights`."""
+        return await self._update_replicas_from_cache(replicas, global_steps)
+
+    async def _update_replicas_from_cache(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None
+    ) -> dict[str, float]:
         if not issubclass(self.backend_cls, CheckpointEngineWithCache):
             raise TypeError(
                 f"backend {self.backend!r} keeps no cache of the latest weights on the actor "
@@ -199,10 +302,13 @@ class CheckpointEngineManager:
         started = loop.time()
         stages = _StageRunner(self, started + self.config.sync_timeout_seconds)
         await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
+        # a colocated engine (naive) hands the weights over inside each actor process, which
+        # also serves generation: as in verl, the replicas are not paused around it
+        lifecycle = replicas if not self.backend_cls.is_colocated else []
         try:
             for name, method in (("abort_requests", "abort_all_requests"),
                                  ("release_kv_cache", "release_kv_cache")):
-                await stages.run(name, lambda method=method: self._replica_calls(replicas, method))
+                await stages.run(name, functools.partial(self._replica_calls, lifecycle, method))
             sent = await self._transfer(
                 stages, replicas, global_steps, from_cache, allow_manifest_change
             )
@@ -218,10 +324,9 @@ class CheckpointEngineManager:
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
-        await stages.run(
-            "resume_generation", lambda: self._replica_calls(replicas, "resume_generation"),
-            own_budget=True,
-        )
+        for name in ("resume_kv_cache", "resume_generation"):
+            await stages.run(name, functools.partial(self._replica_calls, lifecycle, name),
+                             own_budget=True)
 
         metrics = stages.metrics
         total = loop.time() - started
@@ -259,7 +364,7 @@ class CheckpointEngineManager:
                 f"backend {self.backend!r} moves weights to rollout workers, but the manager "
                 "has no replicas; add_replicas() first", stage="prepare",
             )
-        rollout = RayWorkerGroup(workers)
+        rollout = self.rollout_group(workers)
         rollout_names = [
             f"rollout rank {rank} (replica {index}, worker {local})"
             for rank, (index, local) in enumerate(
@@ -295,6 +400,9 @@ class CheckpointEngineManager:
             actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
                 actor_wg.world_size, [len(replica.workers) for replica in replicas], metadata
             )
+            # engines written for verl may name the method too (verl's manager overwrites it)
+            actor_kwargs.pop("method", None)
+            rollout_kwargs.pop("method", None)
         except Exception as exc:
             raise SyncStageError(
                 f"weight sync ({self.backend}) failed at stage 'build_topology': "
@@ -473,7 +581,7 @@ class CheckpointEngineManager:
         workers = [worker for replica in replicas for worker in replica.workers]
         cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
         with contextlib.suppress(Exception):
-            cleanup += RayWorkerGroup(workers).execute_checkpoint_engine("abort")
+            cleanup += self.rollout_group(workers).execute_checkpoint_engine("abort")
         await self._finish_cleanup(cleanup)
         if error.stage in _TRANSFER_STAGES:
             self.stale_replicas += [
@@ -485,6 +593,13 @@ class CheckpointEngineManager:
                 "update_weights again, or remove_replicas() the broken ones.",
             )
             return
+        if self.backend_cls.is_colocated:
+            return  # its replicas were never paused
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
-        await self._finish_cleanup([replica.resume_generation() for replica in untouched])
+        await self._finish_cleanup([_resume(replica) for replica in untouched])
 
+
+async def _resume(replica: RolloutReplica) -> None:
+    """Restore a replica's KV cache, then let it serve (after a sync that moved no bytes)."""
+    await replica.resume_kv_cache()
+    await replica.resume_generation()

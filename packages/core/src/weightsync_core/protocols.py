@@ -41,7 +41,12 @@ class CheckpointEngineWorkerGroup(Protocol):
 
 @runtime_checkable
 class RolloutReplica(Protocol):
-    """One inference server instance, served by one or more rollout workers."""
+    """One inference server instance, served by one or more rollout workers.
+
+    A sync calls, on every replica: ``abort_all_requests``, ``release_kv_cache``, then (after
+    the transfer) ``resume_kv_cache`` and ``resume_generation``. verl's replicas fit as they
+    are; ``sleep()`` and ``wake_up()`` are optional (for the manager's ``sleep_replicas`` and
+    ``wake_up_replicas``)."""
 
     @property
     def workers(self) -> Sequence[Any]:
@@ -54,6 +59,10 @@ class RolloutReplica(Protocol):
 
     async def release_kv_cache(self) -> None:
         """Free KV-cache memory for the duration of the sync."""
+        ...
+
+    async def resume_kv_cache(self) -> None:
+        """Restore the KV cache after the sync (counterpart of :meth:`release_kv_cache`)."""
         ...
 
     async def resume_generation(self) -> None:

@@ -65,8 +65,17 @@ class RayRolloutReplica:
     async def release_kv_cache(self) -> None:
         await self._call_all("release_kv_cache")
 
+    async def resume_kv_cache(self) -> None:
+        await self._call_all("resume_kv_cache")
+
     async def resume_generation(self) -> None:
         await self._call_all("resume_generation")
+
+    async def sleep(self) -> None:
+        await self._call_all("sleep")
+
+    async def wake_up(self) -> None:
+        await self._call_all("wake_up")
 
     def __repr__(self) -> str:
         return f"RayRolloutReplica({self.name!r}, workers={len(self._workers)})"

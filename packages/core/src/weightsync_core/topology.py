@@ -31,6 +31,10 @@ class BroadcastGroup:
     receivers: tuple[int, ...]
 
 
+EVERY_LOCAL_ACTOR_RANK = 1 << 20
+"""``senders`` that admits every actor rank on rank 0's host (verl's ``multi_sender``)."""
+
+
 def plan_broadcast_groups(
     actor_metadata: list[dict[str, Any]], rollout_world_size: int, senders: int
 ) -> list[BroadcastGroup]:

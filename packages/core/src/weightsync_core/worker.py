@@ -30,16 +30,29 @@ _BLOCKING_METHODS = frozenset({"init_process_group", "finalize", "abort"})
 
 
 def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
-    """Import ``custom_backend_module`` in this process, then build the configured engine."""
+    """Import ``custom_backend_module`` in this process, then build the configured engine.
+
+    ``rollout_dtype`` (when set), ``verify`` and ``timeout`` go to engines whose constructor
+    takes them; an engine written for verl, which knows none of them, gets only
+    ``bucket_size`` and its ``engine_kwargs``."""
     load_custom_backend_module(config.custom_backend_module)
-    return CheckpointEngineRegistry.new(
-        config.backend,
+    engine_cls = CheckpointEngineRegistry.get(config.backend)
+    options = {"verify": config.verify, "timeout": config.sync_timeout_seconds}
+    if config.rollout_dtype is not None:
+        options["rollout_dtype"] = config.rollout_dtype
+    return engine_cls(
         bucket_size=config.bucket_size_bytes,
-        rollout_dtype=config.rollout_dtype,
-        verify=config.verify,
-        timeout=config.sync_timeout_seconds,
+        **_accepted(engine_cls, options),
         **config.active_engine_kwargs,
     )
+
+
+def _accepted(engine_cls: type[CheckpointEngine], options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``engine_cls``'s constructor takes."""
+    parameters = inspect.signature(engine_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return options
+    return {name: value for name, value in options.items() if name in parameters}
 
 
 async def _execute(engine: CheckpointEngine, method: str, kwargs: dict[str, Any]) -> Any:
@@ -101,16 +114,19 @@ async def _deliver(
 
 
 async def _produced(
-    weights: WeightsSource, progress: SyncProgress
+    weights: WeightsSource, progress: SyncProgress, taken: TransferStats
 ) -> AsyncIterator[tuple[str, torch.Tensor]]:
     """``weights``, noting in ``progress`` whether the engine waits for the iterator
-    (``producing``) or the iterator for the engine (``sending``)."""
+    (``producing``) or the iterator for the engine (``sending``), and counting in ``taken``
+    what the engine took (the stats of an engine whose ``send_weights`` returns none)."""
     progress.tensors = 0
     progress.enter("producing")
     try:
-        async for item in iter_named_tensors(weights):
+        async for name, tensor in iter_named_tensors(weights):
             progress.enter("sending")
-            yield item
+            taken.num_tensors += 1
+            taken.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
             progress.tensors += 1
             progress.enter("producing")
     finally:
@@ -197,9 +213,21 @@ class CheckpointEngineWorker:
         """Forward to the server adapter, if it implements it."""
         await self._adapter_call("release_kv_cache")
 
+    async def resume_kv_cache(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("resume_kv_cache")
+
     async def resume_generation(self) -> None:
         """Forward to the server adapter, if it implements it."""
         await self._adapter_call("resume_generation")
+
+    async def sleep(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("sleep")
+
+    async def wake_up(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("wake_up")
 
 
 class ActorCheckpointEngineMixin:
@@ -236,8 +264,12 @@ class ActorCheckpointEngineMixin:
         """Send this rank's weights (and, colocated, load them into the local server, where
         ``allow_manifest_change`` applies as on :class:`CheckpointEngineWorker`)."""
         engine = self.checkpoint_engine
-        stats = await engine.send_weights(_produced(self.iter_weights(), engine.progress),
-                                          global_steps)
+        taken = TransferStats()
+        stats = await engine.send_weights(
+            _produced(self.iter_weights(), engine.progress, taken), global_steps
+        )
+        if not isinstance(stats, TransferStats):  # an engine written for verl returns None
+            stats = taken
         if engine.is_colocated:
             guard = self.colocated_manifest_guard
             guard.start(allow_change=allow_manifest_change)

@@ -64,7 +64,7 @@ from weightsync_core.process_group import (
     new_gloo_group,
     rendezvous,
 )
-from weightsync_core.topology import broadcast_topology
+from weightsync_core.topology import EVERY_LOCAL_ACTOR_RANK, broadcast_topology
 from weightsync_core.verification import DeliveryVerifier, Manifest, ManifestEntry
 from weightsync_core.wire import MessageCodec, MessageSealer
 
@@ -128,6 +128,8 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             tensor to leave before asking for the next one).
         senders: actor ranks that send (rank 0 plus relays on rank 0's host), each to its
             own share of the rollout workers; 1 means rank 0 alone.
+        multi_sender: verl's name for every actor rank on rank 0's host sending (as many
+            ``senders`` as that host has actor ranks); give it or ``senders``, not both.
         rebuild_group: build a new group every sync instead of reusing the last one when
             the membership is unchanged.
         group_init_timeout: seconds group set-up may take before failing with the ranks
@@ -146,6 +148,7 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
         keep_buffers: bool = True,
         direct_send_megabytes: float | None = None,
         senders: int = 1,
+        multi_sender: bool = False,
         rebuild_group: bool = False,
         group_init_timeout: float = 60.0,
         **kwargs: Any,
@@ -159,6 +162,13 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
             self.direct_min_bytes = max(int(direct_send_megabytes * (1 << 20)), 1)
         if not isinstance(senders, int) or senders < 1:
             raise ValueError(f"senders must be a positive integer, got {senders!r}")
+        if multi_sender:
+            if senders != 1:
+                raise ValueError(
+                    f"give senders={senders} or multi_sender=True (every actor rank on rank "
+                    "0's host), not both"
+                )
+            senders = EVERY_LOCAL_ACTOR_RANK
         if not group_init_timeout > 0:
             raise ValueError(f"group_init_timeout must be > 0, got {group_init_timeout!r}")
         self.host = host

@@ -297,6 +297,9 @@ class RingCheckpointEngine(CheckpointEngine):
         host: address of this process's control channel (default: ``WEIGHTSYNC_HOST``, the
             Ray node IP, or ``127.0.0.1``).
         slots: receive buffers per rollout worker (2 = double buffering).
+        rebuild_group: verl's name for starting every sync afresh: after each sync, every
+            peer is disconnected and the buffers are deregistered (as after a failure), so
+            the next sync connects and registers again, as verl's engines do.
         keep_buffers: keep registered buffers between syncs; off, they are deregistered and
             freed in every :meth:`finalize`.
         **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
@@ -310,6 +313,7 @@ class RingCheckpointEngine(CheckpointEngine):
         host: str | None = None,
         slots: int = 2,
         keep_buffers: bool = True,
+        rebuild_group: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -321,6 +325,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self.host = host
         self.slots = slots
         self.keep_buffers = keep_buffers
+        self.rebuild_group = rebuild_group
         self._endpoints = PeerEndpoints(host, self._create_transport, RingMessage)
         self._placement: _Placement | None = None
         self._buffers: list[torch.Tensor] = []
@@ -512,12 +517,13 @@ class RingCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """End this sync. The transport, channel and (with ``keep_buffers``) the registered
-        buffers stay for the next sync; peers that left the ring are disconnected."""
+        buffers stay for the next sync; peers that left the ring are disconnected (every
+        peer, with ``rebuild_group``)."""
         placement, self._placement = self._placement, None
-        neighbours = set() if placement is None else {placement.downstream}
+        neighbours = set() if placement is None or self.rebuild_group else {placement.downstream}
         for endpoint in [e for e in self._peers if e not in neighbours]:
             self._disconnect(endpoint)
-        if not self.keep_buffers:
+        if not self.keep_buffers or self.rebuild_group:
             self._release_buffers()
 
     def abort(self) -> None:

@@ -79,8 +79,17 @@ class RecordingServerAdapter:
     async def release_kv_cache(self) -> None:
         self.lifecycle.append("release_kv_cache")
 
+    async def resume_kv_cache(self) -> None:
+        self.lifecycle.append("resume_kv_cache")
+
     async def resume_generation(self) -> None:
         self.lifecycle.append("resume_generation")
+
+    async def sleep(self) -> None:
+        self.lifecycle.append("sleep")
+
+    async def wake_up(self) -> None:
+        self.lifecycle.append("wake_up")
 
 
 class RecordingRolloutWorker(CheckpointEngineWorker):

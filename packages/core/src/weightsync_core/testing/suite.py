@@ -221,8 +221,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         for stage in ("prepare", "init_process_group", "transfer", "finalize", "total"):
             assert metrics[f"weightsync/seconds/{stage}"] >= 0
         for report in harness.reports():
-            assert report["lifecycle"][-3:] == [
-                "abort_all_requests", "release_kv_cache", "resume_generation"
+            assert report["lifecycle"][-4:] == [
+                "abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"
             ]
 
     def test_server_that_keeps_received_tensors_never_sees_them_overwritten(
