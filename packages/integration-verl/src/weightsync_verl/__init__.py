@@ -1,0 +1,31 @@
+"""verl on weightsync.
+
+Importing this package (verl does, given ``custom_backend_module=weightsync_verl``) registers
+every installed weightsync backend in verl's ``CheckpointEngineRegistry`` as
+``weightsync_<name>``; :class:`CheckpointEngineManager` is weightsync's manager for verl's
+``checkpoint_manager_class``.
+"""
+
+from weightsync_verl.engines import (
+    PREFIX,
+    WeightsyncCheckpointEngine,
+    register_backends,
+    verl_backend_name,
+    weightsync_backend_name,
+)
+from weightsync_verl.groups import VerlWorkerGroup
+from weightsync_verl.manager import CheckpointEngineManager, weightsync_config
+
+__all__ = [
+    "PREFIX",
+    "CheckpointEngineManager",
+    "VerlWorkerGroup",
+    "WeightsyncCheckpointEngine",
+    "register_backends",
+    "verl_backend_name",
+    "weightsync_backend_name",
+    "weightsync_config",
+]
+
+REGISTERED_BACKENDS: list[str] = register_backends()
+"""verl's names of the weightsync backends this import registered."""

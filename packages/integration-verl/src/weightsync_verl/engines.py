@@ -1,0 +1,181 @@
+"""weightsync backends as engines of verl's own ``CheckpointEngineRegistry``.
+
+Each installed weightsync backend ``X`` is registered in verl as ``weightsync_X``: a thin
+verl engine that owns the weightsync engine and forwards verl's calls to it. verl's manager
+and workers drive it unchanged (verl gains verified delivery, timeouts, chunking of tensors
+larger than a bucket, the CPU ``gloo`` backend); weightsync's manager drives it too (through
+the extra methods it calls: session key, address, progress, abort, stats).
+
+What verl's interface cannot say, the adapter fills in: verl's ``build_topology`` knows no
+replicas, so every rollout worker counts as its own replica (kimi: every worker pulls); the
+sync's session key is made in ``build_topology`` on verl's driver and reaches every process
+through Ray with its ``init_process_group`` arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import torch
+from verl.checkpoint_engine import CheckpointEngine as VerlCheckpointEngine
+from verl.checkpoint_engine import CheckpointEngineRegistry as VerlRegistry
+
+from weightsync_core import CheckpointEngine, CheckpointEngineRegistry, TransferStats
+from weightsync_core.registry import BackendState
+from weightsync_core.wire import new_session_key
+
+__all__ = [
+    "PREFIX",
+    "WeightsyncCheckpointEngine",
+    "register_backends",
+    "verl_backend_name",
+    "weightsync_backend_name",
+]
+
+PREFIX = "weightsync_"
+"""verl's name of weightsync backend ``X`` is ``weightsync_X`` (verl's own ``nixl``,
+``mooncake``, ``nccl`` keep their names)."""
+
+def verl_backend_name(backend: str) -> str:
+    """The name of weightsync backend ``backend`` in verl's registry."""
+    return f"{PREFIX}{backend}"
+
+
+def weightsync_backend_name(verl_backend: str) -> str:
+    """The weightsync backend behind verl backend ``verl_backend`` (``weightsync_nixl`` ->
+    ``nixl``).
+
+    Raises:
+        ValueError: ``verl_backend`` is not a weightsync backend's name in verl.
+    """
+    if not verl_backend.startswith(PREFIX) or verl_backend == PREFIX:
+        raise ValueError(
+            f"checkpoint_engine.backend={verl_backend!r} is not a weightsync backend: use "
+            f"{PREFIX}<backend> (for example {PREFIX}nixl) with "
+            "custom_backend_module=weightsync_verl"
+        )
+    return verl_backend.removeprefix(PREFIX)
+
+
+class WeightsyncCheckpointEngine(VerlCheckpointEngine):
+    """A weightsync engine behind verl's engine interface (subclassed per backend).
+
+    Args:
+        bucket_size: bytes per bucket (verl's ``update_weights_bucket_megabytes``).
+        is_master: set by verl's actor rank 0; recorded by the weightsync engine.
+        **engine_kwargs: the weightsync backend's options (``engine_kwargs`` of the verl
+            config), e.g. ``timeout``, ``verify``, ``rollout_dtype``, ``rebuild_group``.
+    """
+
+    backend: ClassVar[str] = ""
+    """The weightsync backend this class adapts."""
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+        self.bucket_size = bucket_size
+        self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
+            self.backend, bucket_size=bucket_size, is_master=is_master, **engine_kwargs
+        )
+        self._stats = TransferStats()
+
+    # -- verl's interface ----------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """The weightsync engine's metadata for the topology."""
+        return self.engine.prepare()
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The weightsync backend's topology (each rollout worker its own replica), plus a
+        fresh session key for every process."""
+        engine_cls = CheckpointEngineRegistry.get(cls.backend)
+        actor, rollout = engine_cls.build_replica_topology(
+            actor_wg_world_size, [1] * rollout_world_size, metadata
+        )
+        key = new_session_key()
+        return ({**actor, "session_key": [key] * actor_wg_world_size},
+                {**rollout, "session_key": [key] * rollout_world_size})
+
+    def init_process_group(self, session_key: bytes | None = None, **kwargs: Any) -> None:
+        """Join the sync (taking its session key when verl's manager drives it; weightsync's
+        manager hands it over through :meth:`set_session_key` first)."""
+        if session_key is not None:
+            self.engine.set_session_key(session_key)
+        self.engine.init_process_group(**kwargs)
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
+        """Send; returns metrics for verl's trainer to log (``weightsync/...``)."""
+        self._stats = await self.engine.send_weights(weights, global_steps)
+        return {
+            "weightsync/bytes": float(self._stats.nbytes),
+            "weightsync/tensors": float(self._stats.num_tensors),
+            "weightsync/buckets": float(self._stats.num_buckets),
+            "weightsync/seconds/send": self._stats.seconds,
+        }
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The weightsync engine's received tensors, counted for :meth:`transfer_stats`."""
+        self._stats = TransferStats()
+        async for name, tensor in self.engine.receive_weights(global_steps):
+            self._stats.num_tensors += 1
+            self._stats.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def finalize(self) -> None:
+        """End the sync."""
+        self.engine.finalize()
+
+    # -- what weightsync's manager calls besides ------------------------------------------
+    def set_session_key(self, key: bytes) -> None:
+        """Take the sync's session key (weightsync's manager)."""
+        self.engine.set_session_key(key)
+
+    def address(self) -> str:
+        """Where this process runs (named when a sync fails)."""
+        return self.engine.address()
+
+    def sync_progress(self) -> dict[str, Any]:
+        """What the engine waits for (for blame when a sync stalls)."""
+        return self.engine.sync_progress()
+
+    def abort(self) -> None:
+        """Drop everything of a failed sync."""
+        self.engine.abort()
+
+    def close(self) -> None:
+        """Release everything the engine holds, listening sockets included."""
+        self.engine.close()
+
+    def transfer_stats(self) -> dict[str, float]:
+        """What the last sync moved through this process (verl's workers discard it)."""
+        return self._stats.as_dict()
+
+
+def register_backends() -> list[str]:
+    """Register every installed weightsync backend (except the colocated ``naive``: verl
+    has its own) in verl's registry as ``weightsync_<name>``; returns the verl names. A
+    backend whose package is installed but does not load is registered too: using it shows
+    the load error."""
+    names = []
+    for backend, info in CheckpointEngineRegistry.available().items():
+        if backend == "naive" or info.state is BackendState.NOT_INSTALLED:
+            continue
+        name = verl_backend_name(backend)
+        if not _registered_in_verl(name):
+            adapter = type(f"Weightsync{backend.title().replace('_', '')}CheckpointEngine",
+                           (WeightsyncCheckpointEngine,), {"backend": backend,
+                                                           "__module__": __name__})
+            VerlRegistry.register(name)(adapter)
+        names.append(name)
+    return names
+
+
+def _registered_in_verl(name: str) -> bool:
+    try:
+        VerlRegistry.get(name)
+    except ValueError:
+        return False
+    return True

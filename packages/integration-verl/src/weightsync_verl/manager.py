@@ -1,0 +1,90 @@
+"""weightsync's manager as verl's checkpoint manager
+(``actor_rollout_ref.rollout.checkpoint_manager_class=weightsync_verl.CheckpointEngineManager``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from weightsync_core import CheckpointEngineConfig
+from weightsync_core import CheckpointEngineManager as WeightsyncManager
+from weightsync_core.manager import awaitable_or_blocking
+from weightsync_verl.engines import weightsync_backend_name
+from weightsync_verl.groups import VerlWorkerGroup
+
+__all__ = ["CheckpointEngineManager", "weightsync_config"]
+
+_THIS_MODULE = "weightsync_verl"
+_DEFAULT_TIMEOUT_SECONDS = CheckpointEngineConfig.sync_timeout_seconds
+
+
+def weightsync_config(config: Any) -> CheckpointEngineConfig:
+    """weightsync's configuration for verl's ``CheckpointEngineConfig`` ``config``.
+
+    ``backend`` ``weightsync_X`` is weightsync backend ``X``; its ``engine_kwargs`` are the
+    engine's options, and their ``timeout`` (seconds) also bounds the whole sync.
+    ``custom_backend_module`` is imported by weightsync too, unless it is this package
+    (which registers into verl's registry, not weightsync's).
+
+    Raises:
+        ValueError: ``backend`` is not a weightsync backend.
+    """
+    backend = weightsync_backend_name(config.backend)
+    options = dict((config.engine_kwargs or {}).get(config.backend) or {})
+    module = config.custom_backend_module
+    return CheckpointEngineConfig(
+        backend=backend,
+        update_weights_bucket_megabytes=config.update_weights_bucket_megabytes,
+        engine_kwargs={backend: options},
+        sync_timeout_seconds=float(options.get("timeout", _DEFAULT_TIMEOUT_SECONDS)),
+        custom_backend_module=None if module == _THIS_MODULE else module,
+    )
+
+
+class CheckpointEngineManager(WeightsyncManager):
+    """weightsync's manager with verl's constructor and call conventions.
+
+    It drives verl's own actor worker group and rollout replicas: deadlines on every stage,
+    blame naming the process and host, verified delivery, stale replicas after a failed
+    sync, ``add_replicas`` / ``remove_replicas``. ``update_weights(global_steps)`` runs from
+    synchronous code and is awaitable; every ``*_replicas`` method of verl's manager is here.
+    With ``backend=naive`` the actor workers hand the weights over in-process, exactly as
+    verl's manager does.
+
+    Args:
+        config: verl's checkpoint-engine config (``backend`` ``naive`` or ``weightsync_X``).
+        actor_wg: verl's actor worker group.
+        replicas: verl's rollout replicas.
+    """
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: Iterable[Any] = ()) -> None:
+        self.verl_config = config
+        self.verl_actor_wg = actor_wg
+        weightsync = (CheckpointEngineConfig(backend="naive") if config.backend == "naive"
+                      else weightsync_config(config))
+        super().__init__(weightsync, VerlWorkerGroup(actor_wg.workers, mode=config.backend),
+                         replicas)
+
+    def rollout_group(self, workers: list[Any]) -> VerlWorkerGroup:
+        """verl's ``CheckpointEngineWorker`` actors of the replicas."""
+        return VerlWorkerGroup(workers)
+
+    @awaitable_or_blocking
+    async def update_weights(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Move the actor's weights to every replica; returns weightsync's metrics (``{}``
+        for ``naive``, as verl's manager)."""
+        if self.verl_config.backend == "naive":
+            await self._run_naive(global_steps)
+            return {}
+        return await self._update_weights(global_steps, allow_manifest_change)
+
+    async def _run_naive(self, global_steps: int | None) -> None:
+        calls = [(f"actor_wg rank {rank}",
+                  worker.update_weights.remote(global_steps=global_steps, mode="naive"))
+                 for rank, worker in enumerate(self.verl_actor_wg.workers)]
+        deadline = asyncio.get_running_loop().time() + self.config.sync_timeout_seconds
+        await self._run_stage("transfer", calls, deadline)

@@ -1,0 +1,291 @@
+"""verl's checkpoint-engine correctness scenario on CPU, built from verl's own parts.
+
+Written scenario for scenario from verl 0.9.1's ``tests/checkpoint_engine/test_utils.py``
+and ``test_correctness_on_gpu.py`` (``test_nixl_checkpoint_engine`` with ``device="cpu"``):
+trainer ranks in a verl ``RayWorkerGroup`` that create their engine from verl's registry
+(``is_master`` on rank 0), verl's real ``CheckpointEngineWorker`` on the rollout side with a
+recording server adapter, verl ``RolloutReplica`` objects slicing the rollout group, and a
+checkpoint manager (verl's, or weightsync's through ``checkpoint_manager_class``). Where
+verl's trainer wraps a model in FSDP on GPUs, this one holds a small Hugging Face model's
+full state dict on every rank (what FSDP's per-tensor export yields), perturbed per step so
+that every update carries new bytes.
+
+Used by the package's tests and by ``weightsync-verl-bench``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.base import split_resource_pool
+from verl.utils.import_utils import import_external_libs, load_class_from_fqn
+from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+from verl.workers.rollout import BaseRollout, RolloutReplica
+
+__all__ = [
+    "RecordingCheckpointEngineWorker",
+    "RecordingReplica",
+    "TrainerWorker",
+    "VerlCluster",
+    "digest",
+    "make_cluster",
+    "make_manager",
+    "save_tiny_model",
+]
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """Dtype, shape and bytes of ``tensor``, hashed."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{tensor.dtype}/{list(tensor.shape)}/{hashlib.sha256(data).hexdigest()}"
+
+
+def save_tiny_model(
+    directory: str | Path, hidden_size: int = 64, layers: int = 2, vocab_size: int = 1024
+) -> str:
+    """Save a small Qwen2 (float32, random weights) with ``save_pretrained``; return its path.
+    ``hidden_size``, ``layers`` and ``vocab_size`` set its size."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 3,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    return str(directory)
+
+
+SYNTHETIC_TENSOR_MIB = 16
+"""Size of each tensor of synthetic weights (``weights="synthetic:<MiB>"``)."""
+
+
+def _load_weights(source: str) -> dict[str, torch.Tensor]:
+    """A saved model's state dict (``source`` is its path), or ``synthetic:<MiB>``: that many
+    MiB of float32 tensors of :data:`SYNTHETIC_TENSOR_MIB` each (for benchmarks)."""
+    if source.startswith("synthetic:"):
+        mib = int(source.removeprefix("synthetic:"))
+        count, rest = divmod(mib, SYNTHETIC_TENSOR_MIB)
+        sizes = [SYNTHETIC_TENSOR_MIB] * count + ([rest] if rest else [])
+        generator = torch.Generator().manual_seed(0)
+        return {f"layers.{index}.weight": torch.randn(size << 18, generator=generator)
+                for index, size in enumerate(sizes)}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+class TrainerWorker(Worker):
+    """A verl trainer rank holding a model's full state dict and a checkpoint engine from
+    verl's registry (``is_master`` on rank 0, as verl's ``TrainingWorker``)."""
+
+    def __init__(self, config: CheckpointEngineConfig, weights: str) -> None:
+        super().__init__()
+        self.checkpoint_engine = None
+        self.use_backend(config)
+        self.weights = _load_weights(weights)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_backend(self, config: CheckpointEngineConfig) -> None:
+        """Build the engine ``config`` names, as verl's ``TrainingWorker`` does at start-up
+        (the previous engine, if any, is closed: a scenario runs several backends on one
+        set of workers)."""
+        _close(self.checkpoint_engine)
+        import_external_libs(config.custom_backend_module or None)
+        engine_kwargs = dict(config.engine_kwargs.get(config.backend, {}) or {})
+        if self.rank == 0:
+            engine_kwargs["is_master"] = True
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+            **engine_kwargs,
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def perturb(self, step: int) -> dict[str, str]:
+        """Add step-seeded noise to every floating weight (the same on every rank); return
+        the digests the replicas must end up with."""
+        generator = torch.Generator().manual_seed(step)
+        for tensor in self.weights.values():
+            if tensor.is_floating_point():
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-3)
+        return {name: digest(tensor) for name, tensor in self.weights.items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
+        """As verl's test trainer: hand the per-tensor weights to the engine."""
+        await self.checkpoint_engine.send_weights(iter(self.weights.items()),
+                                                  global_steps=global_steps)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an engine method (verl's manager drives the engine through this)."""
+        return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+
+def _close(engine: Any) -> None:
+    """Release what a replaced engine holds (listeners, buffers), if it can say so."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+class RecordingServerAdapter(BaseRollout):
+    """verl's rollout interface, recording what each update delivered (digests)."""
+
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig) -> None:
+        super().__init__(config, model_config, device_mesh=None)
+        self.received: dict[str, str] = {}
+        self.global_steps: list[int | None] = []
+        self.recording = True
+        """Off, updates are consumed without digests (benchmarks time the transfer)."""
+
+    async def resume(self, tags: list[str]) -> None:
+        """Nothing is released."""
+
+    async def release(self) -> None:
+        """Nothing to release."""
+
+    async def update_weights(self, weights: AsyncIterator, **kwargs: Any) -> None:
+        """Digest every received tensor (only count them, with ``recording`` off)."""
+        received = {}
+        async for name, tensor in weights:
+            received[name] = digest(tensor) if self.recording else ""
+        self.received = received
+        self.global_steps.append(kwargs.get("global_steps"))
+
+
+class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
+    """verl's ``CheckpointEngineWorker`` with a :class:`RecordingServerAdapter`."""
+
+    def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig) -> None:
+        adapter = RecordingServerAdapter(rollout_config, model_config)
+        super().__init__(rollout_config, model_config, adapter)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_backend(self, config: CheckpointEngineConfig) -> None:
+        """Build the engine ``config`` names, as verl's ``CheckpointEngineWorker`` does at
+        start-up (closing the previous one)."""
+        _close(self.checkpoint_engine)
+        import_external_libs(config.custom_backend_module or None)
+        self.checkpoint_engine = CheckpointEngineRegistry.new(
+            config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+            **(config.engine_kwargs.get(config.backend, {}) or {}),
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_recording(self, recording: bool) -> None:
+        """Digest received tensors (``True``) or only consume them."""
+        self.server_adapter.recording = recording
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def report(self) -> dict[str, Any]:
+        """What the last update delivered, and the versions seen so far."""
+        return {"received": self.server_adapter.received,
+                "global_steps": self.server_adapter.global_steps}
+
+
+class RecordingReplica(RolloutReplica):
+    """A replica over a slice of the rollout worker group (verl's test ``MockReplica``)."""
+
+    async def init_hybrid(self, worker_group: RayWorkerGroup) -> None:
+        """Take this replica's workers from ``worker_group``."""
+        start = self.world_size * self.replica_rank
+        self.workers = worker_group.workers[start:start + self.world_size]
+
+    def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
+        raise NotImplementedError("the scenario's replicas serve no HTTP")
+
+    async def launch_servers(self) -> None:
+        raise NotImplementedError("the scenario's replicas serve no HTTP")
+
+
+@dataclass
+class VerlCluster:
+    """The trainer group, the rollout group and its replicas of one scenario."""
+
+    config: CheckpointEngineConfig
+    actor_wg: RayWorkerGroup
+    rollout: RayWorkerGroup
+    replicas: list[RecordingReplica]
+    pool: RayResourcePool
+
+    def shutdown(self) -> None:
+        """Kill every worker and give the CPUs of the resource pool back to Ray."""
+        for worker in [*self.actor_wg.workers, *self.rollout.workers]:
+            ray.kill(worker)
+        for group in self.pool.pgs or []:
+            ray.util.remove_placement_group(group)
+
+    def use_backend(self, config: CheckpointEngineConfig) -> None:
+        """Rebuild every worker's engine for ``config`` (one set of workers, several
+        backends)."""
+        self.actor_wg.use_backend(config)
+        self.rollout.use_backend(config)
+        self.config = config
+
+    def perturb(self, step: int) -> dict[str, str]:
+        """New weights on every trainer rank; returns what every replica must receive."""
+        return self.actor_wg.perturb(step)[0]
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Per rollout worker: what arrived (see :meth:`RecordingCheckpointEngineWorker.report`)."""
+        return self.rollout.report()
+
+
+def make_cluster(
+    config: CheckpointEngineConfig, model_path: str, num_trainer: int = 2,
+    num_rollout: int = 6, replica_size: int = 2, weights: str | None = None,
+) -> VerlCluster:
+    """The scenario's worker groups on CPU (Ray must be running with enough CPUs).
+    ``model_path``: a saved Hugging Face model (its config is the rollout's model config);
+    the trainer ranks send its weights, or ``weights`` (``synthetic:<MiB>``) if given."""
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False)
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config,
+                                   tensor_model_parallel_size=replica_size)
+    pool = RayResourcePool(process_on_nodes=[num_trainer + num_rollout], use_gpu=False,
+                           max_colocate_count=1)
+    trainer_pool, rollout_pool = split_resource_pool(pool, [num_trainer, num_rollout])
+    actor_wg = RayWorkerGroup(
+        resource_pool=trainer_pool, device_name="cpu",
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config,
+                                               weights=weights or model_path),
+    )
+    rollout = RayWorkerGroup(
+        resource_pool=rollout_pool, device_name="cpu",
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RecordingCheckpointEngineWorker),
+                                               rollout_config=rollout_config,
+                                               model_config=model_config),
+    )
+    replicas = [RecordingReplica(replica_rank=rank, config=rollout_config,
+                                 model_config=model_config, gpus_per_node=replica_size)
+                for rank in range(num_rollout // replica_size)]
+
+    async def init() -> None:
+        await asyncio.gather(*(replica.init_hybrid(rollout) for replica in replicas))
+
+    asyncio.run(init())
+    return VerlCluster(config, actor_wg, rollout, replicas, pool)
+
+
+def make_manager(cluster: VerlCluster, manager_class: str | None = None) -> Any:
+    """verl's ``CheckpointEngineManager``, or the class named by ``manager_class`` (a dotted
+    name, loaded as verl's trainer loads ``rollout.checkpoint_manager_class``)."""
+    if manager_class is None:
+        from verl.checkpoint_engine import CheckpointEngineManager as manager_cls
+    else:
+        manager_cls = load_class_from_fqn(manager_class, "CheckpointEngineManager")
+    return manager_cls(config=cluster.config, actor_wg=cluster.actor_wg,
+                       replicas=list(cluster.replicas))

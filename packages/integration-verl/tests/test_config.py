@@ -1,0 +1,45 @@
+"""verl's configuration seen by weightsync (no Ray needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from verl.checkpoint_engine import CheckpointEngineRegistry as VerlRegistry
+from verl.workers.config import CheckpointEngineConfig
+
+import weightsync_verl
+from weightsync_verl import CheckpointEngineManager, weightsync_config
+
+
+def test_importing_the_package_registers_every_installed_backend_in_verl():
+    for name in ("weightsync_gloo", "weightsync_nixl", "weightsync_mooncake", "weightsync_kimi"):
+        assert name in weightsync_verl.REGISTERED_BACKENDS
+        engine_cls = VerlRegistry.get(name)
+        assert issubclass(engine_cls, weightsync_verl.WeightsyncCheckpointEngine)
+    assert "weightsync_naive" not in weightsync_verl.REGISTERED_BACKENDS  # verl has its own
+
+
+def test_verl_config_becomes_weightsyncs():
+    config = CheckpointEngineConfig(
+        backend="weightsync_nixl", update_weights_bucket_megabytes=64,
+        engine_kwargs={"weightsync_nixl": {"timeout": 42, "verify": True}},
+        custom_backend_module="weightsync_verl",
+    )
+    converted = weightsync_config(config)
+    assert converted.backend == "nixl" and converted.update_weights_bucket_megabytes == 64
+    assert converted.engine_kwargs == {"nixl": {"timeout": 42, "verify": True}}
+    assert converted.sync_timeout_seconds == 42
+    assert converted.custom_backend_module is None  # it registers into verl, not weightsync
+
+
+def test_a_backend_that_is_not_weightsyncs_is_refused_with_the_names_to_use():
+    with pytest.raises(ValueError, match="weightsync_nixl"):
+        CheckpointEngineManager(CheckpointEngineConfig(backend="nccl"),
+                                SimpleNamespace(workers=[]), [])
+
+
+def test_an_unknown_weightsync_backend_is_a_value_error_as_verl_callers_expect():
+    with pytest.raises(ValueError, match="nope"):
+        CheckpointEngineManager(CheckpointEngineConfig(backend="weightsync_nope"),
+                                SimpleNamespace(workers=[]), [])

@@ -1,0 +1,92 @@
+"""verl's CPU checkpoint-engine scenario (verl 0.9.1 tests/checkpoint_engine/
+test_correctness_on_gpu.py::test_nixl_checkpoint_engine with device="cpu", and its
+test_utils.py), on weightsync backends registered through ``custom_backend_module``: 2
+trainer ranks, 6 rollout workers in replicas of 2, three updates, every weight checked
+against the trainer's; driven by verl's own ``CheckpointEngineManager`` and by weightsync's
+through ``checkpoint_manager_class``, on the same workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from verl.workers.config import CheckpointEngineConfig
+
+from weightsync_verl import CheckpointEngineManager
+from weightsync_verl.scenario import make_cluster, make_manager
+
+BACKENDS = ["gloo", "nixl", "mooncake", "kimi"]
+WEIGHTSYNC_MANAGER = "weightsync_verl.CheckpointEngineManager"
+
+
+def _config(backend: str) -> CheckpointEngineConfig:
+    name = f"weightsync_{backend}"
+    return CheckpointEngineConfig(
+        backend=name, update_weights_bucket_megabytes=1,
+        engine_kwargs={name: {"timeout": 60}}, custom_backend_module="weightsync_verl",
+    )
+
+
+def _check(cluster, expected: dict[str, str], step: int) -> None:
+    reports = cluster.reports()
+    assert len(reports) == 6
+    for worker, report in enumerate(reports):
+        assert report["received"] == expected, f"rollout worker {worker} got other weights"
+        assert report["global_steps"][-1] == step
+
+
+@pytest.fixture(scope="module")
+def workers(ray_cluster, model_path):
+    """One set of verl workers for every backend (starting 8 workers takes most of a minute
+    on 2 cores); each backend gets engines built anew, as a fresh start would."""
+    cluster = make_cluster(_config(BACKENDS[0]), model_path)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request, workers):
+    workers.use_backend(_config(request.param))
+    return workers
+
+
+def test_verls_manager_moves_three_updates_bit_exact(cluster) -> None:
+    manager = make_manager(cluster)
+
+    async def train() -> None:
+        for step in (1, 2, 3):
+            expected = cluster.perturb(step)
+            await manager.update_weights(global_steps=step)
+            _check(cluster, expected, step)
+
+    asyncio.run(train())
+
+
+def test_weightsyncs_manager_moves_three_updates_from_synchronous_code(cluster) -> None:
+    # as verl's trainer: checkpoint_manager.update_weights(self.global_steps), no await
+    manager = make_manager(cluster, WEIGHTSYNC_MANAGER)
+    assert isinstance(manager, CheckpointEngineManager)
+    manager.sleep_replicas()  # verl's trainer does this right after building the manager
+    for step in (11, 12, 13):
+        expected = cluster.perturb(step)
+        metrics = manager.update_weights(step)
+        assert metrics["weightsync/tensors"] == len(expected)
+        assert metrics["weightsync/replicas"] == 3
+        _check(cluster, expected, step)
+    assert manager.stale_replicas == []
+
+
+def test_weightsyncs_manager_removes_and_adds_a_replica(cluster) -> None:
+    manager = make_manager(cluster, WEIGHTSYNC_MANAGER)
+    left = cluster.replicas[-1]
+    manager.remove_replicas([left])
+    expected = cluster.perturb(21)
+    manager.update_weights(21)
+    reports = cluster.reports()
+    assert all(report["received"] == expected for report in reports[:4])
+    assert all(report["global_steps"][-1] != 21 for report in reports[4:])
+    manager.add_replicas([left])
+    expected = cluster.perturb(22)
+    manager.update_weights(22)
+    _check(cluster, expected, 22)
+
