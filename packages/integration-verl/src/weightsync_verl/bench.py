@@ -30,12 +30,13 @@ from typing import Any
 import ray
 from verl.workers.config import CheckpointEngineConfig
 
-from weightsync_verl.bench_plugins import UNPINNED_VERL_NIXL
 from weightsync_verl.scenario import VerlCluster, make_cluster, make_manager, save_tiny_model
 
 __all__ = ["BenchRow", "main", "run_bench"]
 
 WEIGHTSYNC_MANAGER = "weightsync_verl.CheckpointEngineManager"
+UNPINNED_VERL_NIXL = "verl_nixl_unpinned"
+"""verl's NIXL engine, adapted to CPU-only machines (see :mod:`weightsync_verl.bench_plugins`)."""
 
 
 @dataclass

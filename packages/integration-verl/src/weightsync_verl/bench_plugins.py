@@ -16,10 +16,9 @@ import torch
 from verl.checkpoint_engine import CheckpointEngineRegistry as VerlRegistry
 
 import weightsync_verl  # noqa: F401 (registers weightsync's backends in verl)
+from weightsync_verl.bench import UNPINNED_VERL_NIXL
 
-__all__ = ["UNPINNED_VERL_NIXL"]
-
-UNPINNED_VERL_NIXL = "verl_nixl_unpinned"
+__all__: list[str] = []
 
 
 @contextlib.contextmanager
