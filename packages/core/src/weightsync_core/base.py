@@ -7,7 +7,7 @@ import functools
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -16,6 +16,7 @@ import torch
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import parse_dtype
 from weightsync_core.errors import WeightSyncError
+from weightsync_core.options import EngineOptions, check_engine_kwargs, parse_options
 from weightsync_core.process_group import default_host
 from weightsync_core.verification import bucket_checksum
 from weightsync_core.wire import check_session_key
@@ -101,9 +102,9 @@ class CheckpointEngine(ABC):
         rollout_dtype: cast floating-point tensors to this dtype before sending.
         verify: check deliveries against the sender's manifest (engines that move bytes).
         timeout: seconds any single wait may take before the engine raises.
-        is_master: verl's workers pass ``True`` on actor rank 0. weightsync takes the
-            sync's master (the process that hosts its rendezvous) from the topology, which
-            makes actor rank 0 the master too, so the flag is recorded and changes nothing.
+        **options: the backend's ``engine_kwargs``, checked against its ``options_class``
+            (a frozen dataclass of typed options; see :mod:`weightsync_core.options`) and
+            kept as :attr:`options`.
 
     An engine written for verl, whose constructor sets its own attributes without calling
     this one, runs as it is: the attributes here have class defaults.
@@ -111,6 +112,12 @@ class CheckpointEngine(ABC):
 
     is_colocated: ClassVar[bool] = False
     """True for engines where actor and rollout share one process (no transfer)."""
+
+    options_class: ClassVar[type[EngineOptions]] = EngineOptions
+    """The engine's typed options; a subclass with options of its own sets a subclass of
+    :class:`~weightsync_core.options.EngineOptions` here."""
+
+    options: EngineOptions = EngineOptions()
 
     rollout_dtype: torch.dtype | None = None
     verify: bool = True
@@ -127,17 +134,34 @@ class CheckpointEngine(ABC):
         rollout_dtype: str | torch.dtype | None = None,
         verify: bool = True,
         timeout: float = 600.0,
-        is_master: bool = False,
+        **options: Any,
     ) -> None:
         if bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
-        if not isinstance(is_master, bool):
-            raise TypeError(f"is_master must be True or False, got {is_master!r}")
         self.bucket_size = int(bucket_size)
         self.rollout_dtype = parse_dtype(rollout_dtype)
         self.verify = verify
         self.timeout = float(timeout)
-        self.is_master = is_master
+        self.options = parse_options(self.options_class, type(self).__name__, options)
+        self.is_master = self.options.is_master
+
+    @classmethod
+    def check_options(cls, given: Mapping[str, Any], backend: str | None = None) -> None:
+        """Check ``given`` (this engine's ``engine_kwargs``) on the driver, before any process
+        starts; ``backend`` is the name the error gives (default: the class name).
+
+        Raises:
+            EngineOptionsError: naming the option, the value given and what is accepted.
+        """
+        check_engine_kwargs(backend or cls.__name__, cls, given)
+
+    @classmethod
+    def declares_options(cls) -> bool:
+        """Whether this engine's options are its typed ``options_class`` (every engine built
+        on this class's constructor), rather than an own constructor's keyword arguments (an
+        engine written for verl)."""
+        return any("options_class" in vars(klass) for klass in cls.__mro__
+                   if klass is not CheckpointEngine) or cls.__init__ is CheckpointEngine.__init__
 
     @functools.cached_property
     def progress(self) -> SyncProgress:

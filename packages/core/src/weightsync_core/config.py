@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from weightsync_core.errors import BackendNotFoundError
+
 __all__ = ["CheckpointEngineConfig", "parse_dtype"]
 
 
@@ -34,7 +36,8 @@ class CheckpointEngineConfig:
             allocates two (double buffering), a receiver up to three. Tensors larger than a
             bucket are chunked.
         engine_kwargs: extra constructor arguments per backend name, e.g.
-            ``{"nixl": {"backend_plugin": "UCX"}}``; only the active backend's entry is used.
+            ``{"nixl": {"plugin": "UCX"}}``; only the active backend's entry is used, and it
+            is checked against that backend's typed options when the config is built.
         custom_backend_module: dotted module name (or list) imported in every process that
             builds an engine, so that a custom backend registers itself.
         sync_timeout_seconds: a whole sync (all stages) must finish within this time, else it
@@ -76,6 +79,26 @@ class CheckpointEngineConfig:
                 "{'gloo': {'host': '127.0.0.1'}}"
             )
         parse_dtype(self.rollout_dtype)
+        self.check_engine_options()
+
+    def check_engine_options(self) -> None:
+        """Check the active backend's ``engine_kwargs`` against its typed options, here on
+        the driver, before any process starts (this imports ``custom_backend_module`` and
+        the backend). A backend that cannot be loaded in this process is left to the
+        manager, which says what to install.
+
+        Raises:
+            EngineOptionsError: an unknown option, or a value of the wrong type or range.
+        """
+        from weightsync_core.plugins import load_custom_backend_module
+        from weightsync_core.registry import CheckpointEngineRegistry
+
+        load_custom_backend_module(self.custom_backend_module)
+        try:
+            engine_cls = CheckpointEngineRegistry.get(self.backend)
+        except BackendNotFoundError:
+            return
+        engine_cls.check_options(self.active_engine_kwargs, self.backend)
 
     @property
     def bucket_size_bytes(self) -> int:

@@ -12,6 +12,7 @@ __all__ = [
     "BackendNotInstalledError",
     "BackendRegistrationError",
     "EmptyWeightsError",
+    "EngineOptionsError",
     "GroupInitTimeoutError",
     "MalformedMessageError",
     "ManifestChangedError",
@@ -52,6 +53,12 @@ class BackendRegistrationError(WeightSyncError, TypeError):
 
 class PluginError(WeightSyncError, ValueError):
     """A custom module or class named in configuration was refused or did not load."""
+
+
+class EngineOptionsError(WeightSyncError, ValueError):
+    """An ``engine_kwargs`` entry was refused on the driver: an unknown option, a value of the
+    wrong type or out of range. The message names the backend, the option, the value given
+    and what is accepted."""
 
 
 class SyncStageError(WeightSyncError):

@@ -147,6 +147,7 @@ class CheckpointEngineManager:
         self.config = config
         load_custom_backend_module(config.custom_backend_module)
         self.backend_cls = CheckpointEngineRegistry.get(config.backend)
+        self.backend_cls.check_options(config.active_engine_kwargs, config.backend)
         self.actor_wg = actor_wg
         self.replicas: list[RolloutReplica] = []
         self.stale_replicas: list[RolloutReplica] = []

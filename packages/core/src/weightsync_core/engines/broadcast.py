@@ -49,6 +49,7 @@ from weightsync_core.bucketing import (
     iter_named_tensors,
 )
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.engines.options import CollectiveBroadcastOptions
 from weightsync_core.errors import (
     EmptyWeightsError,
     MalformedMessageError,
@@ -115,68 +116,31 @@ class CollectiveBroadcastCheckpointEngine(CheckpointEngine):
 
     Args:
         bucket_size: bytes per bucket (two on a sender, up to three on a receiver).
-        host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
-            Ray node IP, or ``127.0.0.1``).
-        group_name: prefix of this engine's keys in the rendezvous store.
-        keep_buffers: keep bucket buffers allocated between syncs (no re-allocation and page
-            faults on every sync); turn off to give the memory back after each sync.
-        direct_send_megabytes: tensors at least this large (MiB) are broadcast from their
-            own memory instead of being copied into a bucket (default: half a bucket; 0
-            sends every tensor directly, a negative value never does). Each direct bucket
-            costs one extra round trip, so only large tensors gain. The weight iterator must
-            not modify a tensor's memory after yielding it (the engine waits for a direct
-            tensor to leave before asking for the next one).
-        senders: actor ranks that send (rank 0 plus relays on rank 0's host), each to its
-            own share of the rollout workers; 1 means rank 0 alone.
-        multi_sender: verl's name for every actor rank on rank 0's host sending (as many
-            ``senders`` as that host has actor ranks); give it or ``senders``, not both.
-        rebuild_group: build a new group every sync instead of reusing the last one when
-            the membership is unchanged.
-        group_init_timeout: seconds group set-up may take before failing with the ranks
-            that never arrived.
-        **kwargs: see :class:`~weightsync_core.base.CheckpointEngine`.
+        **kwargs: the options (:class:`~weightsync_core.engines.CollectiveBroadcastOptions`:
+            ``host``, ``senders``, ``rebuild_group``, ...) and
+            :class:`~weightsync_core.base.CheckpointEngine`'s arguments.
     """
 
     device_type: ClassVar[str] = "cpu"
+    options_class = CollectiveBroadcastOptions
+    options: CollectiveBroadcastOptions
 
-    def __init__(
-        self,
-        bucket_size: int,
-        *,
-        host: str | None = None,
-        group_name: str = "weightsync",
-        keep_buffers: bool = True,
-        direct_send_megabytes: float | None = None,
-        senders: int = 1,
-        multi_sender: bool = False,
-        rebuild_group: bool = False,
-        group_init_timeout: float = 60.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
-        if direct_send_megabytes is None:
+        options = self.options
+        direct = options.direct_send_megabytes
+        if direct is None:
             self.direct_min_bytes: int | None = max(self.bucket_size // 2, 1)
-        elif direct_send_megabytes < 0:
+        elif direct < 0:
             self.direct_min_bytes = None
         else:
-            self.direct_min_bytes = max(int(direct_send_megabytes * (1 << 20)), 1)
-        if not isinstance(senders, int) or senders < 1:
-            raise ValueError(f"senders must be a positive integer, got {senders!r}")
-        if multi_sender:
-            if senders != 1:
-                raise ValueError(
-                    f"give senders={senders} or multi_sender=True (every actor rank on rank "
-                    "0's host), not both"
-                )
-            senders = EVERY_LOCAL_ACTOR_RANK
-        if not group_init_timeout > 0:
-            raise ValueError(f"group_init_timeout must be > 0, got {group_init_timeout!r}")
-        self.host = host
-        self.group_name = group_name
-        self.keep_buffers = keep_buffers
-        self.senders = senders
-        self.rebuild_group = rebuild_group
-        self.group_init_timeout = float(group_init_timeout)
+            self.direct_min_bytes = max(int(direct * (1 << 20)), 1)
+        self.host = options.host
+        self.group_name = options.group_name
+        self.keep_buffers = options.keep_buffers
+        self.senders = EVERY_LOCAL_ACTOR_RANK if options.multi_sender else options.senders
+        self.rebuild_group = options.rebuild_group
+        self.group_init_timeout = float(options.group_init_timeout)
         self.member_id = uuid.uuid4().hex
         self.rank: int | None = None
         self.world_size = 0

@@ -25,9 +25,8 @@ class ColocatedCheckpointEngine(CheckpointEngine):
 
     is_colocated = True
 
-    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
-        super().__init__(bucket_size, **kwargs)
-        self._weights: WeightsSource | None = None
+    _weights: WeightsSource | None = None
+    """The actor's weights, handed from ``send_weights`` to ``receive_weights``."""
 
     def prepare(self) -> dict[str, Any]:
         return {}

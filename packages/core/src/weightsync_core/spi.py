@@ -1,0 +1,93 @@
+"""The backend surface: the one module a weightsync backend imports.
+
+Everything a transport package needs to build an engine is exported here under public
+names: the engine interfaces and the two bases backends specialise (collective broadcast and
+the pipelined ring) with their typed options, the peer-to-peer transport interface, bucket
+packing and unpacking, delivery verification, the authenticated control channel, the
+blocking-call helper, bucket allocation on a device and the address helpers.
+
+The bases' override points are public, documented methods (for instance
+``CollectiveBroadcastCheckpointEngine.new_data_group`` or
+``RingCheckpointEngine.create_transport``); a backend overrides those and nothing with a
+leading underscore.
+
+What this surface promises: a name exported here keeps its meaning and signature across
+the minor releases of one major version of ``weightsync-core`` (while the major version is
+0: across patch releases, and a minor release that changes it says so under "Backend
+surface" in the CHANGELOG). A backend declares the lowest core release whose surface it
+uses (``weightsync-core>=X.Y``). Any other ``weightsync_core`` module may change without
+notice; ``tests/test_backend_surface.py`` checks that every first-party backend imports
+nothing else.
+"""
+
+from weightsync_core.base import (
+    CheckpointEngine,
+    CheckpointEngineWithCache,
+    SyncProgress,
+    TransferStats,
+)
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import (
+    BucketMeta,
+    BucketPacker,
+    BucketUnpacker,
+    WeightsSource,
+    iter_named_tensors,
+)
+from weightsync_core.channel import ControlChannel, PeerEndpoints
+from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.engines import (
+    CollectiveBroadcastCheckpointEngine,
+    CollectiveBroadcastOptions,
+    RingCheckpointEngine,
+    RingOptions,
+)
+from weightsync_core.errors import (
+    EmptyWeightsError,
+    EngineOptionsError,
+    SenderAbortedError,
+    TransferError,
+    VerificationError,
+    WeightSyncError,
+)
+from weightsync_core.options import EngineOptions
+from weightsync_core.process_group import default_host
+from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
+from weightsync_core.verification import DeliveryVerifier, ManifestEntry
+
+__all__ = [
+    "BucketMeta",
+    "BucketPacker",
+    "BucketUnpacker",
+    "CheckpointEngine",
+    "CheckpointEngineRegistry",
+    "CheckpointEngineWithCache",
+    "CollectiveBroadcastCheckpointEngine",
+    "CollectiveBroadcastOptions",
+    "ControlChannel",
+    "DeliveryVerifier",
+    "EmptyWeightsError",
+    "EngineOptions",
+    "EngineOptionsError",
+    "ManifestEntry",
+    "PeerEndpoints",
+    "PeerTransport",
+    "RemoteBuffer",
+    "RingCheckpointEngine",
+    "RingOptions",
+    "SenderAbortedError",
+    "SyncProgress",
+    "TransferError",
+    "TransferStats",
+    "VerificationError",
+    "WeightSyncError",
+    "WeightsSource",
+    "allocate_bucket",
+    "default_host",
+    "describe_buffer",
+    "iter_named_tensors",
+    "resolve_device",
+    "run_blocking",
+    "synchronize_device",
+]
