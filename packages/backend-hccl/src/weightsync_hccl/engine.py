@@ -15,8 +15,10 @@ except ImportError as exc:
         "versions (pip install torch-npu==<your torch version>), then retry"
     ) from exc
 
-from weightsync_core import CheckpointEngineRegistry
-from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
+from weightsync_core.spi import (
+    CheckpointEngineRegistry,
+    CollectiveBroadcastCheckpointEngine,
+)
 
 __all__ = ["HCCLCheckpointEngine"]
 

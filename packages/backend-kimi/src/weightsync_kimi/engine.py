@@ -23,22 +23,27 @@ from typing import Any
 
 import torch
 
-from weightsync_core import CheckpointEngineRegistry, CheckpointEngineWithCache, TransferStats
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import (
+from weightsync_core.spi import (
     BucketMeta,
     BucketPacker,
     BucketUnpacker,
+    CheckpointEngineRegistry,
+    CheckpointEngineWithCache,
+    ControlChannel,
+    DeliveryVerifier,
+    EmptyWeightsError,
+    PeerEndpoints,
+    RemoteBuffer,
+    TransferError,
+    TransferStats,
     WeightsSource,
+    WeightSyncError,
+    allocate_bucket,
+    default_host,
     iter_named_tensors,
+    run_blocking,
 )
-from weightsync_core.channel import ControlChannel, PeerEndpoints
-from weightsync_core.devices import allocate_bucket
-from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
-from weightsync_core.errors import EmptyWeightsError, TransferError, WeightSyncError
-from weightsync_core.process_group import default_host
-from weightsync_core.transport import RemoteBuffer
-from weightsync_core.verification import DeliveryVerifier
+from weightsync_kimi.options import KimiOptions
 from weightsync_kimi.shares import ShareAssigner, ShareManifest, ShareMessage, rollout_nbytes
 from weightsync_kimi.topology import kimi_topology
 from weightsync_mooncake.transport import MooncakeTransport
@@ -51,55 +56,27 @@ __all__ = ["KimiCheckpointEngine"]
 class KimiCheckpointEngine(CheckpointEngineWithCache):
     """Actor ranks serve shares from host memory; replica leaders pull, then broadcast.
 
-    Args:
-        bucket_size: bytes per bucket (an actor rank holds its share in as many buckets as
-            it needs; a leader pulls into two).
-        protocol: Mooncake Transfer Engine protocol (``"tcp"``; ``"rdma"`` on clusters).
-        device_name: RDMA device names for the Transfer Engine (empty: discover).
-        host: address of this process (default: ``WEIGHTSYNC_HOST``, the Ray node IP, or
-            ``127.0.0.1``).
-        collective: the broadcast backend inside a replica: ``"gloo"`` (host memory),
-            ``"nccl"`` or ``"hccl"`` (installed separately).
-        collective_kwargs: its constructor arguments.
-        keep_buffers: keep the leader's pull buffers between syncs.
-        rebuild_group: verl's name for starting every sync afresh: the collective builds
-            a new group each sync and the pull buffers are not kept.
-        **kwargs: see :class:`~weightsync_core.CheckpointEngine`.
+    Options: :class:`~weightsync_kimi.options.KimiOptions` (``protocol``, ``collective``,
+    ``collective_kwargs``, ...), given as ``engine_kwargs={"kimi": {...}}``.
     """
 
-    def __init__(
-        self,
-        bucket_size: int,
-        *,
-        protocol: str = "tcp",
-        device_name: str = "",
-        host: str | None = None,
-        collective: str = "gloo",
-        collective_kwargs: dict[str, Any] | None = None,
-        keep_buffers: bool = True,
-        rebuild_group: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    options_class = KimiOptions
+    options: KimiOptions
+
+    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
-        inner_cls = CheckpointEngineRegistry.get(collective)
-        if not issubclass(inner_cls, CollectiveBroadcastCheckpointEngine):
-            raise ValueError(
-                f"collective must name a broadcast backend (gloo, nccl, hccl), got {collective!r}"
-            )
-        self.protocol = protocol
-        self.device_name = device_name
-        self.host = host
-        self.collective = collective
-        self.keep_buffers = keep_buffers and not rebuild_group
-        self.rebuild_group = rebuild_group
-        self._inner = inner_cls(
+        options = self.options
+        self.protocol = options.protocol
+        self.device_name = options.device_name
+        self.host = host = options.host
+        self.collective = options.collective
+        self.keep_buffers = options.keep_buffers and not options.rebuild_group
+        self.rebuild_group = options.rebuild_group
+        self._inner = options.collective_class()(
             bucket_size, verify=self.verify, timeout=self.timeout, host=host,
-            **{"rebuild_group": rebuild_group, **(collective_kwargs or {})},
+            **{"rebuild_group": options.rebuild_group, **options.collective_kwargs},
         )
-        self._endpoints = PeerEndpoints(
-            host, lambda: MooncakeTransport(host or default_host(), protocol, device_name),
-            ShareMessage,
-        )
+        self._endpoints = PeerEndpoints(host, self._open_transport, ShareMessage)
         self._plan: dict[str, Any] | None = None
         self._pinned = torch.cuda.is_available()
         self._cache: ShareManifest | None = None
@@ -108,6 +85,9 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self._slots: list[torch.Tensor] = []
 
     # -- set-up --------------------------------------------------------------------------
+    def _open_transport(self) -> MooncakeTransport:
+        return MooncakeTransport(self.host or default_host(), self.protocol, self.device_name)
+
     @property
     def transport(self) -> MooncakeTransport:
         """This process's Transfer Engine (created on first use)."""

@@ -8,9 +8,11 @@ from typing import Any
 import msgspec
 import torch
 
-from weightsync_core.bucketing import BucketMeta
-from weightsync_core.transport import RemoteBuffer
-from weightsync_core.verification import ManifestEntry
+from weightsync_core.spi import (
+    BucketMeta,
+    ManifestEntry,
+    RemoteBuffer,
+)
 
 __all__ = ["ShareAssigner", "ShareManifest", "ShareMessage", "rollout_nbytes"]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.spi import (
+    CheckpointEngineRegistry,
+)
 
 __all__ = ["kimi_topology"]
 

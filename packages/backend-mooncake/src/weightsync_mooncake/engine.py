@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync_core import CheckpointEngineRegistry
-from weightsync_core.engines import RingCheckpointEngine
-from weightsync_core.process_group import default_host
+from weightsync_core.spi import (
+    CheckpointEngineRegistry,
+    RingCheckpointEngine,
+    default_host,
+)
+from weightsync_mooncake.options import MooncakeOptions
 from weightsync_mooncake.transport import MooncakeTransport
 
 __all__ = ["MooncakeCheckpointEngine"]
@@ -21,24 +24,17 @@ class MooncakeCheckpointEngine(RingCheckpointEngine):
 
     Unlike verl's Mooncake engine, a tensor larger than the bucket is split into chunks.
 
-    Args:
-        bucket_size: bytes per bucket (two on the sender, ``slots`` on each receiver).
-        protocol: Transfer Engine protocol: ``"tcp"`` (default), ``"rdma"``, ``"efa"``,
-            ``"ascend_direct"``, ...
-        device_name: comma-separated RDMA device names (``"mlx5_0,mlx5_1"``); empty lets
-            the engine discover them.
-        **kwargs: see :class:`~weightsync_core.engines.RingCheckpointEngine` (``device``,
-            ``host``, ``slots``, ``keep_buffers``) and :class:`~weightsync_core.CheckpointEngine`.
+    Options: :class:`~weightsync_mooncake.options.MooncakeOptions` (``protocol``,
+    ``device_name``, the ring's ``slots``, ...), given as ``engine_kwargs={"mooncake": {...}}``.
     """
 
-    def __init__(
-        self, bucket_size: int, *, protocol: str = "tcp", device_name: str = "", **kwargs: Any
-    ) -> None:
+    options_class = MooncakeOptions
+    options: MooncakeOptions
+
+    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
-        if not protocol or not isinstance(protocol, str):
-            raise ValueError(f"protocol must be a Transfer Engine protocol name, got {protocol!r}")
-        self.protocol = protocol
-        self.device_name = device_name
+        self.protocol = self.options.protocol
+        self.device_name = self.options.device_name
 
     def _create_transport(self) -> MooncakeTransport:
         return MooncakeTransport(self.host or default_host(), self.protocol, self.device_name)

@@ -17,8 +17,13 @@ from collections.abc import Hashable
 
 import torch
 
-from weightsync_core.errors import TransferError, WeightSyncError
-from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
+from weightsync_core.spi import (
+    PeerTransport,
+    RemoteBuffer,
+    TransferError,
+    WeightSyncError,
+    describe_buffer,
+)
 
 try:
     from mooncake.engine import TransferEngine

@@ -7,8 +7,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from weightsync_core import CheckpointEngineRegistry
-from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
+from weightsync_core.spi import (
+    CheckpointEngineRegistry,
+    CollectiveBroadcastCheckpointEngine,
+)
 
 __all__ = ["NCCLCheckpointEngine"]
 

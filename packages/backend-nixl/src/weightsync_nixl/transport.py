@@ -14,8 +14,13 @@ from typing import Any
 import psutil
 import torch
 
-from weightsync_core.errors import TransferError, WeightSyncError
-from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
+from weightsync_core.spi import (
+    PeerTransport,
+    RemoteBuffer,
+    TransferError,
+    WeightSyncError,
+    describe_buffer,
+)
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t

@@ -24,7 +24,8 @@ def weightsync_config(config: Any) -> CheckpointEngineConfig:
     """weightsync's configuration for verl's ``CheckpointEngineConfig`` ``config``.
 
     ``backend`` ``weightsync_X`` is weightsync backend ``X``; its ``engine_kwargs`` are the
-    engine's options, and their ``timeout`` (seconds) also bounds the whole sync.
+    engine's options, except ``timeout`` (seconds: it bounds the whole sync), ``verify`` and
+    ``rollout_dtype``, which are settings of weightsync's config.
     ``custom_backend_module`` is imported by weightsync too, unless it is this package
     (which registers into verl's registry, not weightsync's).
 
@@ -37,8 +38,10 @@ def weightsync_config(config: Any) -> CheckpointEngineConfig:
     return CheckpointEngineConfig(
         backend=backend,
         update_weights_bucket_megabytes=config.update_weights_bucket_megabytes,
+        sync_timeout_seconds=float(options.pop("timeout", _DEFAULT_TIMEOUT_SECONDS)),
+        verify=options.pop("verify", True),
+        rollout_dtype=options.pop("rollout_dtype", None),
         engine_kwargs={backend: options},
-        sync_timeout_seconds=float(options.get("timeout", _DEFAULT_TIMEOUT_SECONDS)),
         custom_backend_module=None if module == _THIS_MODULE else module,
     )
 

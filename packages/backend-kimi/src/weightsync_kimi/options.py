@@ -1,0 +1,56 @@
+"""Typed options of the ``kimi`` engine (its ``engine_kwargs``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync_core.spi import (
+    CheckpointEngineRegistry,
+    CollectiveBroadcastCheckpointEngine,
+    EngineOptionsError,
+)
+from weightsync_mooncake.options import TransferEngineOptions
+
+__all__ = ["KimiOptions"]
+
+
+@dataclass(frozen=True)
+class KimiOptions(TransferEngineOptions):
+    """Options of the ``kimi`` engine, on top of Transfer Engine's (``protocol``,
+    ``device_name``).
+
+    Attributes:
+        host: address of this process (default: ``WEIGHTSYNC_HOST``, the Ray node IP, or
+            ``127.0.0.1``).
+        collective: the broadcast backend inside a replica: ``"gloo"`` (host memory),
+            ``"nccl"`` or ``"hccl"`` (installed separately).
+        collective_kwargs: its options (checked against that backend's own options).
+        keep_buffers: keep the leader's pull buffers between syncs.
+        rebuild_group: verl's name for starting every sync afresh: the collective builds
+            a new group each sync and the pull buffers are not kept.
+    """
+
+    host: str | None = None
+    collective: str = "gloo"
+    collective_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    keep_buffers: bool = True
+    rebuild_group: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        inner = self.collective_class()
+        if not issubclass(inner, CollectiveBroadcastCheckpointEngine):
+            raise ValueError(
+                "option 'collective' must name a broadcast backend (gloo, nccl, hccl), got "
+                f"{self.collective!r}"
+            )
+        try:
+            inner.check_options(self.collective_kwargs, backend=self.collective)
+        except EngineOptionsError as exc:
+            raise ValueError(f"option 'collective_kwargs': {exc}") from exc
+
+    def collective_class(self) -> type:
+        """The engine class of ``collective``."""
+        return CheckpointEngineRegistry.get(self.collective)

@@ -1,0 +1,36 @@
+"""Typed options of the ``mooncake`` engine (its ``engine_kwargs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightsync_core.spi import EngineOptions, RingOptions
+
+__all__ = ["MooncakeOptions", "TransferEngineOptions"]
+
+
+@dataclass(frozen=True)
+class TransferEngineOptions(EngineOptions):
+    """How a process opens Mooncake Transfer Engine (shared by ``mooncake`` and ``kimi``).
+
+    Attributes:
+        protocol: Transfer Engine protocol: ``"tcp"`` (default), ``"rdma"``, ``"efa"``,
+            ``"ascend_direct"``, ...
+        device_name: comma-separated RDMA device names (``"mlx5_0,mlx5_1"``); empty lets
+            the engine discover them.
+    """
+
+    protocol: str = "tcp"
+    device_name: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.protocol:
+            raise ValueError("option 'protocol' must name a Transfer Engine protocol, got ''")
+
+
+@dataclass(frozen=True)
+class MooncakeOptions(RingOptions, TransferEngineOptions):
+    """Options of the ``mooncake`` engine: the ring's (``device``, ``host``, ``slots``,
+    ``keep_buffers``, ``rebuild_group``) and Transfer Engine's (``protocol``,
+    ``device_name``)."""

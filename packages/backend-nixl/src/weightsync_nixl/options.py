@@ -1,0 +1,67 @@
+"""Typed options of the ``nixl`` engine (its ``engine_kwargs``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from weightsync_core.spi import (
+    RingOptions,
+)
+
+__all__ = ["NixlOptions"]
+
+
+@dataclass(frozen=True)
+class NixlOptions(RingOptions):
+    """Options of the ``nixl`` engine, on top of the ring's (``device``, ``host``, ``slots``,
+    ``keep_buffers``, ``rebuild_group``).
+
+    Attributes:
+        plugin: NIXL backend plugin (``"UCX"``; ``"LIBFABRIC"`` on EFA, ...).
+        plugin_params: extra init parameters of the plugin, e.g. ``{"num_workers": "2"}``.
+        ucx_devices: the UCX plugin's ``ucx_devices`` parameter: which NICs UCX may use,
+            e.g. ``"mlx5_0:1,mlx5_1:1"`` (default: all).
+        ucx_transports: sets ``UCX_TLS`` before the agent starts, e.g. ``"rc,cuda_copy"``
+            on InfiniBand/RoCE or ``"tcp"`` to force TCP (default: UCX chooses).
+        ucx_env: further ``UCX_*`` variables to set before the agent starts, e.g.
+            ``{"UCX_NET_DEVICES": "mlx5_0:1", "UCX_RNDV_THRESH": "8192"}``.
+        num_threads: worker threads of the plugin (0: its default).
+
+    ``device="cuda"`` needs a CUDA build of torch and UCX with CUDA support, which the
+    nixl-cu12/cu13 wheels include.
+    """
+
+    plugin: str = "UCX"
+    plugin_params: Mapping[str, str] = field(default_factory=dict)
+    ucx_devices: str | None = None
+    ucx_transports: str | None = None
+    ucx_env: Mapping[str, str] = field(default_factory=dict)
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = sorted(key for key in self.ucx_env if not key.startswith("UCX_"))
+        if bad:
+            raise ValueError(
+                f"option 'ucx_env' takes UCX_* variables only, got {', '.join(bad)}; pass "
+                "other settings through plugin_params"
+            )
+        if self.ucx_devices is not None and self.plugin != "UCX":
+            raise ValueError(f"option 'ucx_devices' applies to the UCX plugin, not {self.plugin!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"option 'num_threads' must be >= 0, got {self.num_threads}")
+
+    def plugin_init_params(self) -> dict[str, str]:
+        """The plugin's init parameters: ``plugin_params`` plus ``ucx_devices``."""
+        params = dict(self.plugin_params)
+        if self.ucx_devices is not None:
+            params["ucx_devices"] = self.ucx_devices
+        return params
+
+    def environment(self) -> dict[str, str]:
+        """The ``UCX_*`` variables to set before the agent starts."""
+        env = dict(self.ucx_env)
+        if self.ucx_transports is not None:
+            env["UCX_TLS"] = self.ucx_transports
+        return env
