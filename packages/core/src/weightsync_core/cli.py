@@ -38,14 +38,14 @@ def _bench(args: argparse.Namespace) -> int:
     common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
               "repeats": args.repeats, "verify": not args.no_verify}
     if args.backend == "gloo":
-        from weightsync_core.benchmark import run_gloo_benchmark
+        from weightsync_core.bench.gloo import run_gloo_benchmark
 
         result = run_gloo_benchmark(
             receivers=args.receivers or 2, bucket_megabytes=args.bucket_mb or 256, **common
         )
     else:
+        from weightsync_core.bench.ring import run_ring_benchmark
         from weightsync_core.engines.ring import RingCheckpointEngine
-        from weightsync_core.ring_benchmark import run_ring_benchmark
 
         if not issubclass(CheckpointEngineRegistry.get(args.backend), RingCheckpointEngine):
             print(f"weightsync bench: {args.backend!r} is neither gloo nor a ring backend "
@@ -65,7 +65,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from weightsync_core.compare_benchmark import comparison_table, run_comparison
+    from weightsync_core.bench.compare import comparison_table, run_comparison
 
     kwargs = {}
     for option in args.kwargs:

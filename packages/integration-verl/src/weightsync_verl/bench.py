@@ -21,7 +21,6 @@ cannot run without an RDMA NIC and is reported as not run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 import ray
 from verl.workers.config import CheckpointEngineConfig
 
+from weightsync_core.bench.measure import median_seconds
 from weightsync_verl.scenario import VerlCluster, make_cluster, make_manager, save_tiny_model
 
 __all__ = ["BenchRow", "main", "run_bench"]
@@ -74,17 +74,19 @@ def _engines(bucket_mb: int) -> list[tuple[str, str | None, CheckpointEngineConf
 
 def _measure(cluster: VerlCluster, manager_class: str | None, repeats: int) -> tuple[float, bool]:
     manager = make_manager(cluster, manager_class)
-    cluster.rollout.set_recording(False)
-    times = []
-    for step in range(repeats + 1):  # the first is the warm-up
+
+    def sync(step: int) -> dict[str, float]:
         start = time.perf_counter()
         manager.update_weights(global_steps=step)
-        times.append(time.perf_counter() - start)
+        return {"sync": time.perf_counter() - start}
+
+    cluster.rollout.set_recording(False)
+    seconds = median_seconds([sync], repeats)["sync"]
     cluster.rollout.set_recording(True)
     expected = cluster.perturb(repeats + 1)
     manager.update_weights(global_steps=repeats + 1)
     exact = all(report["received"] == expected for report in cluster.reports())
-    return statistics.median(times[1:]), exact
+    return seconds, exact
 
 
 def run_bench(mib: int = 512, receivers: int = 2, repeats: int = 3, bucket_mb: int = 64,

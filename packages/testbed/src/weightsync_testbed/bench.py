@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -21,13 +20,18 @@ from typing import Any
 import numpy as np
 import ray
 
-from weightsync_core.benchmark import RawBroadcastPeer
+from weightsync_core.bench.gloo import raw_broadcast_group, raw_broadcasts
+from weightsync_core.bench.measure import (
+    bench_config,
+    median_seconds,
+    sync_seconds,
+    synthetic_deployment,
+)
+from weightsync_core.bench.ring import raw_writes
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.plan import EngineCosts, Link
 from weightsync_core.plan.probe import measure_link
 from weightsync_core.registry import BackendState, CheckpointEngineRegistry
-from weightsync_core.ring_benchmark import RawTransferPeer
-from weightsync_core.testing import SyncHarness
 from weightsync_testbed.network import Link as ShapedLink
 from weightsync_testbed.placement import HostPlacement, on_host
 from weightsync_testbed.prediction import CellModel
@@ -217,69 +221,46 @@ def _engine_cells(
     backend: str, kwargs: dict[str, Any], counts: list[int], nbytes: int, bucket_mb: int,
     repeats: int, replica_hosts: list[str], rate: float,
 ) -> list[BenchCell]:
-    config = CheckpointEngineConfig(
-        backend=backend, update_weights_bucket_megabytes=bucket_mb,
-        engine_kwargs={backend: dict(kwargs)}, sync_timeout_seconds=600,
-    )
+    config = bench_config(backend, kwargs, bucket_mb)
     placement = HostPlacement([_ACTOR_HOST], replica_hosts)
-    harness = SyncHarness(config, 1, (1,) * max(counts), placement=placement)
-    try:
-        sent = ray.get(harness.actors[0].set_uniform_weights.remote(nbytes, 64))
-        workers = harness.workers(harness.replicas)[1:]
-        ray.get([worker.set_faults.remote(discard=True) for worker in workers])
-        managers = {n: harness.manager(harness.replicas[:n]) for n in counts}
-        for manager in managers.values():  # warm-up: connections, buffers, page faults
-            manager.update_weights_sync(0)
-        times: dict[int, list[float]] = {n: [] for n in counts}
-        for step in range(1, repeats + 1):
-            for n, manager in managers.items():
-                metrics = manager.update_weights_sync(step)
-                times[n].append(metrics["weightsync/seconds/transfer"])
-    finally:
-        harness.shutdown()
-    return [BenchCell(backend, n, statistics.median(times[n]), sent, rate) for n in counts]
+    with synthetic_deployment(config, 1, (1,) * max(counts), nbytes, 64,
+                              placement=placement) as (deployment, sent):
+        measurements = [sync_seconds(deployment.manager(deployment.replicas[:n]),
+                                     **{str(n): "transfer"}) for n in counts]
+        medians = median_seconds(measurements, repeats)
+    return [BenchCell(backend, n, medians[str(n)], sent, rate) for n in counts]
 
 
 def _raw_write_cell(
     backend: str, kwargs: dict[str, Any], nbytes: int, repeats: int, rate: float
 ) -> BenchCell:
     config = CheckpointEngineConfig(backend=backend, engine_kwargs={backend: dict(kwargs)})
-    peer = ray.remote(RawTransferPeer)
-    writer = peer.options(num_cpus=0, **on_host(_ACTOR_HOST)).remote(config, nbytes, 1)
-    reader = peer.options(num_cpus=0, **on_host("r0")).remote(config, nbytes, 0)
-    try:
-        target = ray.get(reader.address.remote())
-        ray.get(writer.write_to.remote(target))  # warm-up
-        if ray.get(reader.checksum.remote()) != nbytes:
-            raise RuntimeError(f"the raw {backend} write did not deliver the buffer")
-        seconds = [ray.get(writer.write_to.remote(target)) for _ in range(repeats)]
-    finally:
-        for handle in (writer, reader):
-            ray.kill(handle)
-    return BenchCell(f"raw {backend} write", 1, statistics.median(seconds), nbytes, rate)
+    with raw_writes(config, nbytes, on_host(_ACTOR_HOST), on_host("r0")) as write:
+        seconds = median_seconds([write], repeats)["raw"]
+    return BenchCell(f"raw {backend} write", 1, seconds, nbytes, rate)
 
 
 def _raw_broadcast_cells(
     counts: list[int], nbytes: int, repeats: int, replica_hosts: list[str], rate: float
 ) -> list[BenchCell]:
     cells = []
-    peer = ray.remote(RawBroadcastPeer)
     for n in counts:
         hosts = [_ACTOR_HOST, *replica_hosts[:n]]
-        peers = [peer.options(num_cpus=0, **on_host(host)).remote() for host in hosts]
-        try:
-            master = ray.get(peers[0].prepare.remote())
-            ray.get([p.prepare.remote() for p in peers[1:]])
-            ray.get([p.setup.remote(rank, len(peers), master, nbytes)
-                     for rank, p in enumerate(peers)])
-            ray.get([p.broadcast.remote() for p in peers])  # warm-up
-            seconds = [max(ray.get([p.broadcast.remote() for p in peers]))
-                       for _ in range(repeats)]
-        finally:
-            for handle in peers:
-                ray.kill(handle)
-        cells.append(BenchCell("raw gloo broadcast", n, statistics.median(seconds), nbytes, rate))
+        with raw_broadcast_group(nbytes, [on_host(host) for host in hosts]) as peers:
+            seconds = median_seconds([raw_broadcasts(peers)], repeats)["raw"]
+        cells.append(BenchCell("raw gloo broadcast", n, seconds, nbytes, rate))
     return cells
+
+
+def _fetch_seconds(holder: Any, readers: list[Any], nbytes: int) -> dict[str, float]:
+    """Seconds for ``readers`` to fetch a new object of ``nbytes`` from ``holder``."""
+    wrapped = ray.get(holder.put.remote(nbytes))  # a new object every round
+    start = time.perf_counter()
+    got = ray.get([r.fetch.remote(wrapped) for r in readers])
+    seconds = time.perf_counter() - start
+    if got != [7 * nbytes] * len(readers):
+        raise RuntimeError("the object store delivered wrong bytes")
+    return {"fetch": seconds}
 
 
 def _object_store_cells(
@@ -292,17 +273,9 @@ def _object_store_cells(
     cells = []
     try:
         for n in counts:
-            seconds = []
-            for _ in range(repeats + 1):  # the first round warms up
-                wrapped = ray.get(holder.put.remote(nbytes))  # a new object every round
-                start = time.perf_counter()
-                got = ray.get([r.fetch.remote(wrapped) for r in readers[:n]])
-                seconds.append(time.perf_counter() - start)
-                if got != [7 * nbytes] * n:
-                    raise RuntimeError("the object store delivered wrong bytes")
-                del wrapped
-            median = statistics.median(seconds[1:])
-            cells.append(BenchCell("Ray object store", n, median, nbytes, rate))
+            seconds = median_seconds([lambda _step, n=n: _fetch_seconds(
+                holder, readers[:n], nbytes)], repeats)["fetch"]
+            cells.append(BenchCell("Ray object store", n, seconds, nbytes, rate))
     finally:
         for handle in (holder, *readers):
             ray.kill(handle)

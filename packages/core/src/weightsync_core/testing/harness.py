@@ -1,42 +1,31 @@
-"""A small Ray deployment of ``actor_wg`` ranks and rollout replicas for tests and benchmarks."""
+"""A small Ray deployment of ``actor_wg`` ranks and rollout replicas for tests: a
+:class:`~weightsync_core.deployment.Deployment` whose processes record what they receive and
+take injected faults."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
 from weightsync_core.config import CheckpointEngineConfig, parse_dtype
+from weightsync_core.deployment import Deployment, Placement
 from weightsync_core.local_ray import ensure_ray
-from weightsync_core.manager import CheckpointEngineManager
-from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
-from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
 from weightsync_core.testing.weights import Faults, TensorDigest, digests, make_weights
 
 __all__ = ["Placement", "SyncHarness", "ensure_ray"]
 
 
-class Placement(Protocol):
-    """Where a harness starts its processes (e.g. ``weightsync_testbed.HostPlacement``):
-    extra ``ray.remote`` options per actor rank and per replica, merged over
-    ``actor_options``."""
-
-    def actor_options(self, rank: int) -> dict[str, Any]:
-        """Options of actor rank ``rank``."""
-        ...
-
-    def replica_options(self, index: int) -> dict[str, Any]:
-        """Options of every worker of the ``index``-th replica the harness starts."""
-        ...
-
-
-class SyncHarness:
+class SyncHarness(Deployment):
     """``actor_world_size`` weight-source ranks and replicas of the given sizes, for one backend.
+
+    Its actor ranks hold test weights (:meth:`set_weights`, with optional faults) and its
+    rollout workers record a digest of every received tensor (:meth:`reports`; their
+    ``set_faults`` makes them die, stall or go slow).
 
     Args:
         config: checkpoint-engine config used by every worker.
@@ -47,6 +36,9 @@ class SyncHarness:
             puts them).
     """
 
+    source_class = WeightSourceActor
+    worker_class = RecordingRolloutWorker
+
     def __init__(
         self,
         config: CheckpointEngineConfig,
@@ -55,20 +47,7 @@ class SyncHarness:
         actor_options: dict[str, Any] | None = None,
         placement: Placement | None = None,
     ) -> None:
-        ensure_ray()
-        self.actor_options = {"num_cpus": 0, **(actor_options or {})}
-        self.placement = placement
-        self.config = config
-        load_custom_backend_module(config.custom_backend_module)
-        self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
-        self._source = ray.remote(WeightSourceActor)
-        self.actors = [self._new_actor(rank) for rank in range(actor_world_size)]
-        self.actor_wg = RayWorkerGroup(self.actors)
-        self._replicas_started = 0
-        self.replicas: list[RayRolloutReplica] = []
-        if not self.colocated:
-            self.replicas = [self.new_replica(size, name=f"replica{i}")
-                             for i, size in enumerate(replica_sizes)]
+        super().__init__(config, actor_world_size, replica_sizes, actor_options, placement)
         ray.get([actor.report.remote() for actor in self.actors])
         self._ray_ports = self._listening(self.workers())  # before any engine listens
 
@@ -97,31 +76,6 @@ class SyncHarness:
         self.actor_wg = RayWorkerGroup(self.actors)
         self._ray_ports.update(self._listening([self.actors[rank]]))
 
-    def _new_actor(self, rank: int) -> Any:
-        placed = self.placement.actor_options(rank) if self.placement else {}
-        return self._source.options(**{**self.actor_options, **placed}).remote(self.config)
-
-    def workers(self, replicas: Sequence[RayRolloutReplica] | None = None) -> list[Any]:
-        """Every process of the harness: actor ranks, then the rollout workers of
-        ``replicas`` (default: all)."""
-        chosen = self.replicas if replicas is None else replicas
-        return [*self.actors, *(w for replica in chosen for w in replica.workers)]
-
-    def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
-        """Start a replica of ``size`` rollout workers (on one host, if placed)."""
-        index, self._replicas_started = self._replicas_started, self._replicas_started + 1
-        placed = self.placement.replica_options(index) if self.placement else {}
-        worker = ray.remote(RecordingRolloutWorker).options(**{**self.actor_options, **placed})
-        return RayRolloutReplica([worker.remote(self.config) for _ in range(size)], name=name)
-
-    def manager(
-        self, replicas: Sequence[RayRolloutReplica] | None = None, **config_overrides: Any
-    ) -> CheckpointEngineManager:
-        """A manager over ``replicas`` (default: all), with optional config overrides."""
-        config = replace(self.config, **config_overrides)
-        chosen = self.replicas if replicas is None else replicas
-        return CheckpointEngineManager(config, self.actor_wg, chosen)
-
     def set_weights(
         self, seed: int, profile: str = "standard", faults: Faults | None = None
     ) -> dict[str, TensorDigest]:
@@ -137,8 +91,3 @@ class SyncHarness:
             return ray.get([actor.report.remote() for actor in self.actors])
         chosen = self.replicas if replicas is None else replicas
         return ray.get([w.report.remote() for replica in chosen for w in replica.workers])
-
-    def shutdown(self) -> None:
-        """Kill every actor this harness started."""
-        for handle in [*self.actors, *(w for r in self.replicas for w in r.workers)]:
-            ray.kill(handle)
