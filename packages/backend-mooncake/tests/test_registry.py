@@ -33,5 +33,5 @@ def test_missing_transfer_engine_shows_the_loader_error_and_the_fix():
 def test_bad_protocol_is_refused_with_a_clear_message():
     import pytest
 
-    with pytest.raises(ValueError, match="protocol must be a Transfer Engine protocol name"):
+    with pytest.raises(ValueError, match="'protocol' must name a Transfer Engine protocol"):
         MooncakeCheckpointEngine(1 << 20, protocol="")

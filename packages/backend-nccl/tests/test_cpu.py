@@ -1,11 +1,14 @@
 """What can be checked without a GPU: registration, the missing-device message, topology,
 option validation, and that group set-up is core's fail-fast path."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from weightsync_core import CheckpointEngineRegistry, WeightSyncError
 from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
+from weightsync_core.testing.docs import check_documented_options
 from weightsync_nccl import NCCLCheckpointEngine
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -28,8 +31,8 @@ def test_without_a_gpu_construction_says_what_is_missing_and_what_to_use():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"senders": 0}, "senders must be a positive integer"),
-     ({"group_init_timeout": -1}, "group_init_timeout must be > 0")],
+    [({"senders": 0}, "'senders' must be a positive integer"),
+     ({"group_init_timeout": -1}, "'group_init_timeout' must be > 0")],
 )
 def test_options_are_validated_before_the_device_is_needed(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -62,3 +65,8 @@ def test_group_setup_is_the_shared_fail_fast_path():
     assert NCCLCheckpointEngine._new_data_group is not (
         CollectiveBroadcastCheckpointEngine._new_data_group
     )
+
+
+def test_documented_options_are_options():
+    readme = Path(__file__).parents[1] / "README.md"
+    assert len(check_documented_options(readme, "nccl")) == 2

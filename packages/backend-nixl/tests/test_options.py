@@ -3,13 +3,18 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from weightsync_core import CheckpointEngineRegistry, WeightSyncError
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineRegistry, WeightSyncError
+from weightsync_core.errors import EngineOptionsError
+from weightsync_core.testing.docs import check_documented_options
 from weightsync_nixl import NixlCheckpointEngine, NixlTransport
 from weightsync_nixl.transport import host_has_efa, ucx_module_defaults
+
+README = Path(__file__).parents[1] / "README.md"
 
 
 def test_registered_through_the_entry_point():
@@ -17,13 +22,29 @@ def test_registered_through_the_entry_point():
 
 
 def test_ucx_env_takes_only_ucx_variables():
-    with pytest.raises(ValueError, match="ucx_env keys must be UCX_"):
+    with pytest.raises(ValueError, match="'ucx_env' takes UCX_"):
         NixlCheckpointEngine(1 << 20, ucx_env={"NCCL_DEBUG": "INFO"})
 
 
 def test_ucx_devices_needs_the_ucx_plugin():
-    with pytest.raises(ValueError, match="ucx_devices applies to the UCX plugin"):
+    with pytest.raises(ValueError, match="'ucx_devices' applies to the UCX plugin"):
         NixlCheckpointEngine(1 << 20, plugin="LIBFABRIC", ucx_devices="mlx5_0:1")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"backend_plugin": "UCX"}, "no option 'backend_plugin' (given 'UCX'). Did you mean 'plugin'"),
+    ({"num_threads": "2"}, "option 'num_threads' must be an integer, got '2'"),
+    ({"device": "gpu"}, "option 'device' must be one of 'cpu', 'cuda', got 'gpu'"),
+    ({"ucx_env": {"UCX_TLS": 1}}, "option 'ucx_env' must be a mapping of a string to a string"),
+])
+def test_bad_options_fail_when_the_config_is_built(kwargs, message):
+    with pytest.raises(EngineOptionsError, match="backend 'nixl'") as raised:
+        CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": kwargs})
+    assert message in str(raised.value)
+
+
+def test_documented_options_are_options():
+    assert len(check_documented_options(README, "nixl")) == 3
 
 
 def test_unknown_plugin_and_parameters_name_what_exists():

@@ -75,8 +75,8 @@ def test_engine_build_topology_validates_sizes():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"senders": 0}, "senders must be a positive integer"),
-     ({"group_init_timeout": 0}, "group_init_timeout must be > 0")],
+    [({"senders": 0}, "'senders' must be a positive integer"),
+     ({"group_init_timeout": 0}, "'group_init_timeout' must be > 0")],
 )
 def test_engine_options_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):

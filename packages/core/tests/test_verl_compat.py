@@ -70,5 +70,5 @@ def test_engines_take_verls_constructor_and_engine_kwargs():
     assert engine.senders == EVERY_LOCAL_ACTOR_RANK and engine.rollout_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="not both"):
         CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, senders=2, multi_sender=True)
-    with pytest.raises(TypeError, match="is_master must be True or False"):
+    with pytest.raises(ValueError, match="'is_master' must be True or False"):
         CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, is_master="yes")

@@ -80,3 +80,18 @@ def test_cli_prints_config_and_reports_errors(capsys):
     assert "total_steps: 3" in capsys.readouterr().out
     assert main(["trainer.totl_steps=3"]) == 2
     assert "Did you mean trainer.total_steps" in capsys.readouterr().err
+
+
+def test_documented_engine_options_are_options():
+    from pathlib import Path
+
+    from weightsync_core.testing.docs import check_documented_options
+
+    readme = Path(__file__).parents[1] / "README.md"
+    assert [where.split()[-1] for where in check_documented_options(readme)] == ["nixl"]
+
+
+def test_a_misspelt_engine_option_fails_before_any_worker_starts():
+    with pytest.raises(ConfigError, match="Did you mean 'plugin'"):
+        load_config(overrides=["rollout.checkpoint_engine.backend=nixl",
+                               "rollout.checkpoint_engine.engine_kwargs.nixl.backend_plugin=UCX"])

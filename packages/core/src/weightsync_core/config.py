@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.errors import BackendNotFoundError
+from weightsync_core.errors import BackendNotFoundError, PluginError
 
 __all__ = ["CheckpointEngineConfig", "parse_dtype"]
 
@@ -84,8 +84,8 @@ class CheckpointEngineConfig:
     def check_engine_options(self) -> None:
         """Check the active backend's ``engine_kwargs`` against its typed options, here on
         the driver, before any process starts (this imports ``custom_backend_module`` and
-        the backend). A backend that cannot be loaded in this process is left to the
-        manager, which says what to install.
+        the backend). A backend or custom module that cannot be loaded in this process is
+        left to the manager, which says what is missing.
 
         Raises:
             EngineOptionsError: an unknown option, or a value of the wrong type or range.
@@ -93,10 +93,10 @@ class CheckpointEngineConfig:
         from weightsync_core.plugins import load_custom_backend_module
         from weightsync_core.registry import CheckpointEngineRegistry
 
-        load_custom_backend_module(self.custom_backend_module)
         try:
+            load_custom_backend_module(self.custom_backend_module)
             engine_cls = CheckpointEngineRegistry.get(self.backend)
-        except BackendNotFoundError:
+        except (PluginError, BackendNotFoundError):
             return
         engine_cls.check_options(self.active_engine_kwargs, self.backend)
 

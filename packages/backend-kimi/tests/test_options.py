@@ -1,0 +1,29 @@
+"""The ``kimi`` engine's typed options, and the README's configs built against them."""
+
+from pathlib import Path
+
+import pytest
+
+from weightsync_core import CheckpointEngineConfig
+from weightsync_core.errors import EngineOptionsError
+from weightsync_core.testing.docs import check_documented_options
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"collective": "mooncake"}, "option 'collective' must name a broadcast backend"),
+    ({"collective_kwargs": {"sendrs": 2}},
+     "option 'collective_kwargs': backend 'gloo' has no option 'sendrs'"),
+    ({"collective_kwargs": {"rebuild_group": "no"}},
+     "option 'collective_kwargs': backend 'gloo': option 'rebuild_group' must be True or False"),
+    ({"rebuild_group": 1}, "option 'rebuild_group' must be True or False, got 1"),
+])
+def test_bad_options_fail_when_the_config_is_built(kwargs, message):
+    with pytest.raises(EngineOptionsError, match="backend 'kimi'") as raised:
+        CheckpointEngineConfig(backend="kimi", engine_kwargs={"kimi": kwargs})
+    assert message in str(raised.value)
+
+
+def test_documented_options_are_options():
+    assert len(check_documented_options(README, "kimi")) == 2

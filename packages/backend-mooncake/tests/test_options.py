@@ -1,0 +1,27 @@
+"""The ``mooncake`` engine's typed options, and the README's configs built against them."""
+
+from pathlib import Path
+
+import pytest
+
+from weightsync_core import CheckpointEngineConfig
+from weightsync_core.errors import EngineOptionsError
+from weightsync_core.testing.docs import check_documented_options
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"protocl": "rdma"}, "no option 'protocl' (given 'rdma'). Did you mean 'protocol'"),
+    ({"protocol": ""}, "option 'protocol' must name a Transfer Engine protocol"),
+    ({"slots": 1}, "option 'slots' must be an integer >= 2"),
+    ({"keep_buffers": "yes"}, "option 'keep_buffers' must be True or False, got 'yes'"),
+])
+def test_bad_options_fail_when_the_config_is_built(kwargs, message):
+    with pytest.raises(EngineOptionsError, match="backend 'mooncake'") as raised:
+        CheckpointEngineConfig(backend="mooncake", engine_kwargs={"mooncake": kwargs})
+    assert message in str(raised.value)
+
+
+def test_documented_options_are_options():
+    assert len(check_documented_options(README, "mooncake")) == 2

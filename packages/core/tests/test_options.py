@@ -1,0 +1,106 @@
+"""Engine options are typed and checked on the driver, before any process starts."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
+from weightsync_core.errors import EngineOptionsError
+from weightsync_core.options import EngineOptions, parse_options
+from weightsync_core.testing.docs import check_documented_options
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+@dataclass(frozen=True)
+class _Options(EngineOptions):
+    flag: bool = False
+    count: int = 1
+    seconds: float = 1.0
+    mode: Literal["a", "b"] = "a"
+    env: Mapping[str, str] = field(default_factory=dict)
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.count < 1:
+            raise ValueError(f"option 'count' must be >= 1, got {self.count}")
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"flag": "false"}, "'flag' must be True or False, got 'false' (str)"),
+    ({"count": True}, "'count' must be an integer, got True (bool)"),
+    ({"count": 2.0}, "'count' must be an integer"),
+    ({"seconds": "5"}, "'seconds' must be a number, got '5' (str)"),
+    ({"mode": "c"}, "'mode' must be one of 'a', 'b', got 'c'"),
+    ({"env": {"A": 1}}, "'env' must be a mapping of a string to a string"),
+    ({"name": 3}, "'name' must be a string or None"),
+    ({"cuont": 2}, "has no option 'cuont' (given 2). Did you mean 'count'?"),
+    ({"count": 0}, "option 'count' must be >= 1, got 0"),
+])
+def test_refused_values_name_the_option_and_what_is_accepted(given, message):
+    with pytest.raises(EngineOptionsError, match="backend 'demo'") as raised:
+        parse_options(_Options, "demo", given)
+    assert message in str(raised.value)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_accepted_values_build_the_options():
+    options = parse_options(_Options, "demo", {"flag": True, "seconds": 2, "env": {"A": "1"}})
+    assert options == _Options(flag=True, seconds=2, env={"A": "1"})
+    with pytest.raises(AttributeError):
+        options.flag = False  # frozen
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"rebuild_group": "false"}, "option 'rebuild_group' must be True or False, got 'false'"),
+    ({"group_init_timeout": "5"}, "option 'group_init_timeout' must be a number, got '5'"),
+    ({"sendrs": 2}, "Did you mean 'senders'?"),
+    ({"senders": 0}, "option 'senders' must be a positive integer"),
+    ({"timeout": 5}, "set CheckpointEngineConfig.sync_timeout_seconds"),
+])
+def test_bad_engine_kwargs_fail_when_the_config_is_built(kwargs, message):
+    with pytest.raises(EngineOptionsError, match="backend 'gloo'") as raised:
+        CheckpointEngineConfig(backend="gloo", engine_kwargs={"gloo": kwargs})
+    assert message in str(raised.value)
+
+
+def test_the_manager_checks_the_options_again_before_any_process_starts():
+    config = CheckpointEngineConfig(backend="gloo")
+    config.engine_kwargs = {"gloo": {"keep_buffers": "no"}}  # changed after it was checked
+    with pytest.raises(EngineOptionsError, match="'keep_buffers' must be True or False"):
+        CheckpointEngineManager(config, actor_wg=None)
+
+
+def test_engines_keep_their_checked_options():
+    from weightsync_core import CheckpointEngineRegistry
+
+    engine = CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, senders=2, host="127.0.0.1")
+    assert engine.options.senders == 2 and engine.senders == 2 and engine.host == "127.0.0.1"
+    with pytest.raises(EngineOptionsError, match="no option 'sender'"):
+        CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, sender=2)
+
+
+def test_an_engine_written_for_verl_is_checked_by_its_constructor(external_plugins_on_path):
+    CheckpointEngineConfig(backend="verl_style_gloo", custom_backend_module="verl_style_engine",
+                           engine_kwargs={"verl_style_gloo": {"rebuild_group": True}})
+    with pytest.raises(EngineOptionsError, match="Did you mean 'rebuild_group'"):
+        CheckpointEngineConfig(
+            backend="verl_style_gloo", custom_backend_module="verl_style_engine",
+            engine_kwargs={"verl_style_gloo": {"rebuild_groups": True}},
+        )
+
+
+def test_documented_options_are_options(tmp_path):
+    assert check_documented_options(README, "gloo")
+    wrong = tmp_path / "README.md"
+    wrong.write_text('engine_kwargs={"gloo": {"backend_plugin": "UCX"}}\n\n'
+                     "| engine kwarg | default |\n| --- | --- |\n| `sender` | 1 |\n")
+    with pytest.raises(AssertionError, match=r"README\.md:1 gloo: the documented options"):
+        check_documented_options(wrong, "gloo")
+    wrong.write_text("| engine kwarg | default |\n| --- | --- |\n| `sender` | 1 |\n")
+    with pytest.raises(AssertionError, match=r"names \['sender'\]"):
+        check_documented_options(wrong, "gloo")

@@ -1,0 +1,10 @@
+"""The README's engine configs are accepted by the backends they name."""
+
+from pathlib import Path
+
+from weightsync_core.testing.docs import check_documented_options
+
+
+def test_documented_engine_options_are_options():
+    readme = Path(__file__).parents[1] / "README.md"
+    assert [where.split()[-1] for where in check_documented_options(readme)] == ["nixl"]
