@@ -6,6 +6,7 @@ A README documents a backend's options in three ways, all found here:
 - a dotted override: ``rollout.checkpoint_engine.engine_kwargs.nixl.ucx_transports=tcp``;
 - a table whose first column is headed ``engine kwarg``, one option name per row.
 
+Fenced ``text`` blocks (shown output, such as an error for a bad config) are left out.
 A test then builds a :class:`~weightsync_core.CheckpointEngineConfig` from each documented
 config (which checks it against the backend's typed options) and compares the tables with
 the options' fields, so a renamed or misspelt option in the docs fails a test.
@@ -31,6 +32,7 @@ _DICT_START = re.compile(r"engine_kwargs\s*=\s*\{")
 _OVERRIDE = re.compile(r"engine_kwargs\.(\w+)\.(\w+)=([^\s`]+)")
 _TABLE_HEADER = re.compile(r"^\|\s*engine kwarg\s*\|")
 _TABLE_NAME = re.compile(r"^\|\s*`(\w+)`")
+_TEXT_BLOCK = re.compile(r"^```text\n.*?^```$", re.MULTILINE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ def documented_engine_kwargs(text: str) -> list[DocumentedOptions]:
     A dict whose values are not all dicts (options of a backend named elsewhere) is left
     out; a dict that is not a Python literal raises, so the docs stay checkable.
     """
+    text = _TEXT_BLOCK.sub(lambda block: "\n" * block.group(0).count("\n"), text)
     found = [*_dicts(text), *_overrides(text)]
     return sorted(found, key=lambda item: item.line)
 
