@@ -2,6 +2,7 @@
 
 import asyncio
 import inspect
+from typing import ClassVar
 
 import pytest
 
@@ -174,3 +175,89 @@ def test_a_colocated_sync_leaves_replicas_alone_as_verl_does():
     with pytest.raises(SyncStageError, match="moved no tensors"):
         manager.update_weights(8)
     assert replica.calls == []
+
+
+class RecordingGroup:
+    """A worker group without Ray: engine calls are coroutines that record themselves; the
+    actor side moves ``moved`` on ``update_weights``, the rollout side fails to authenticate."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self, workers, moved=None):
+        self.workers = list(workers)
+        self.moved = moved
+        self.calls = []
+        RecordingGroup.made.append(self)
+
+    @property
+    def world_size(self):
+        return len(self.workers)
+
+    def execute_checkpoint_engine(self, method, **per_rank_kwargs):
+        self.calls.append(method)
+        return [self._call(method) for _ in self.workers]
+
+    async def _call(self, method):
+        if method == "set_session_key" and self.moved is None:
+            raise RuntimeError("rollout engine refused the key")
+
+    def update_weights(self, global_steps=None, **options):
+        return [self._transfer() for _ in self.workers]
+
+    async def _transfer(self):
+        return self.moved
+
+
+class GroupedReplica(LifecycleReplica):
+    """A replica that names its workers' group class."""
+
+    worker_group_class = RecordingGroup
+
+    def __init__(self, workers):
+        super().__init__()
+        self.workers = workers
+
+
+def test_the_rollout_group_is_of_the_class_the_replicas_name():
+    RecordingGroup.made.clear()
+    actor = RecordingGroup(["actor"], moved={"num_tensors": 1})
+    replicas = [GroupedReplica(["w0", "w1"]), GroupedReplica(["w2"])]
+    manager = CheckpointEngineManager(CheckpointEngineConfig(backend="gloo"), actor, replicas)
+    with pytest.raises(SyncStageError) as info:
+        manager.update_weights_sync(global_steps=1)
+    assert info.value.stage == "authenticate"
+    assert info.value.worker == "rollout rank 0 (replica 0, worker 0)"
+    rollout_groups = RecordingGroup.made[1:]
+    assert [group.workers for group in rollout_groups] == [["w0", "w1", "w2"]] * 2
+    assert rollout_groups[1].calls == ["abort"]  # the recovery aborts the same workers
+    assert replicas[0].calls[-2:] == ["resume_kv_cache", "resume_generation"]
+    assert manager.stale_replicas == []
+
+
+def test_replicas_of_different_group_classes_are_refused():
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]), [LifecycleReplica()]
+    )
+    with pytest.raises(ValueError, match=r"group class RecordingGroup, the managed replicas "
+                                         r"RayWorkerGroup"):
+        manager.add_replicas([GroupedReplica([])])
+    assert type(manager.rollout_group(["w"])) is RayWorkerGroup
+
+
+def test_a_sync_reports_every_stage_time_and_what_it_moved():
+    moved = {"nbytes": 4_000_000, "num_tensors": 3, "num_buckets": 2}
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="naive"), RecordingGroup(["a0", "a1"], moved=moved),
+        [LifecycleReplica()],
+    )
+    metrics = manager.update_weights_sync(global_steps=2)
+    assert set(metrics) == {
+        *(f"weightsync/seconds/{stage}" for stage in (
+            "abort_requests", "release_kv_cache", "transfer", "resume_kv_cache",
+            "resume_generation", "total",
+        )),
+        "weightsync/bytes", "weightsync/tensors", "weightsync/buckets", "weightsync/replicas",
+        "weightsync/transfer_gbps", "weightsync/gbps",
+    }
+    assert (metrics["weightsync/bytes"], metrics["weightsync/tensors"],
+            metrics["weightsync/buckets"], metrics["weightsync/replicas"]) == (4e6, 3, 2, 1)

@@ -11,25 +11,21 @@ import itertools
 import logging
 import sys
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 import ray
 
 from weightsync_core.base import CheckpointEngineWithCache
-from weightsync_core.blame import (
-    Culprit,
-    describe_exception,
-    rank_failures,
-    stalled_processes,
-)
 from weightsync_core.blocking import retrieve_exception
 from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SyncStageError, SyncTimeoutError
+from weightsync_core.errors import SyncStageError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.ray_group import RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.stages import Calls, SyncStages
 from weightsync_core.wire import new_session_key
 
 __all__ = ["CheckpointEngineManager", "awaitable_or_blocking", "run_sync"]
@@ -38,16 +34,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-Calls = Sequence[tuple[str, Awaitable[Any]]]
-"""One stage's calls: ``(process or replica name, awaitable)``."""
-
 _CLEANUP_SECONDS = 10.0
-"""How long the next sync waits for the clean-up calls a failed sync left running."""
+"""How long the next sync waits for the clean-up calls a failed sync left running, and how
+long a sync's closing stages may run past its deadline."""
 _CLEANUP_GRACE_SECONDS = 0.2
 """How long a failing sync waits for its clean-up calls before it raises."""
-_GRACE_SECONDS = 2.0
-_PROBE_SECONDS = 1.0
-"""How long a process may take to say what it is doing before it counts as frozen."""
 _TRANSFER_STAGES = frozenset({"transfer", "finalize"})
 
 
@@ -91,33 +82,47 @@ def awaitable_or_blocking(
     return call
 
 
-class _StageRunner:
-    """Runs one sync's stages one after another under the sync's deadline, timing each."""
+@dataclass(frozen=True)
+class _SyncProcesses:
+    """The engine processes of one sync: the actor ranks, then the replicas' rollout
+    workers, with the names a failure reports them by."""
 
-    def __init__(self, manager: CheckpointEngineManager, deadline: float) -> None:
-        self.manager = manager
-        self.deadline = deadline
-        self.current = "abort_requests"
-        self.metrics: dict[str, float] = {}
-        self._loop = asyncio.get_running_loop()
-        self._stage_start = self._loop.time()
+    actor: CheckpointEngineWorkerGroup
+    rollout: CheckpointEngineWorkerGroup
+    actor_names: list[str]
+    rollout_names: list[str]
 
-    async def run(
-        self, name: str, calls: Callable[[], Calls],
-        probe: Callable[[], Calls] | None = None, own_budget: bool = False,
-    ) -> list[Any]:
-        """Run stage ``name``; ``probe`` asks its processes what they are doing if it fails
-        or times out. ``own_budget`` stages may outlive the deadline a little, so that a
-        sync whose transfer finished is not failed by its clean-up."""
-        self.current = name
-        deadline = self.deadline
-        if own_budget:
-            deadline = max(deadline, self._loop.time() + _CLEANUP_SECONDS)
-        results = await self.manager._run_stage(name, calls(), deadline, probe)
-        now = self._loop.time()
-        self.metrics[f"weightsync/seconds/{name}"] = now - self._stage_start
-        self._stage_start = now
-        return results
+    @property
+    def names(self) -> list[str]:
+        """Every process's name: actor ranks, then rollout ranks."""
+        return self.actor_names + self.rollout_names
+
+    def engine_calls(
+        self, method: str, actor_kwargs: dict[str, list[Any]] | None = None,
+        rollout_kwargs: dict[str, list[Any]] | None = None,
+    ) -> Callable[[], Calls]:
+        """Calls of ``engine.<method>`` on every process, with per-rank keyword arguments
+        for each side."""
+        def calls() -> Calls:
+            refs = [*self.actor.execute_checkpoint_engine(method, **(actor_kwargs or {})),
+                    *self.rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))]
+            return list(zip(self.names, refs, strict=True))
+        return calls
+
+    def send_calls(self, global_steps: int | None, options: dict[str, Any]) -> Callable[[], Calls]:
+        """Each process's side of the transfer: the actor ranks send, the rollout workers
+        receive (the groups' ``update_weights``)."""
+        return lambda: list(zip(self.names, [
+            *self.actor.update_weights(global_steps, **options),
+            *self.rollout.update_weights(global_steps, **options),
+        ], strict=True))
+
+    def cache_calls(self, global_steps: int | None) -> Callable[[], Calls]:
+        """The rollout workers' loads from the actor side's cache (the actor ranks send
+        nothing)."""
+        return lambda: list(zip(
+            self.rollout_names, self.rollout.update_weights_from_cache(global_steps), strict=True
+        ))
 
 
 class CheckpointEngineManager:
@@ -132,11 +137,19 @@ class CheckpointEngineManager:
     If a sync fails after bytes started moving, its replicas are left paused (not resumed)
     and listed in :attr:`stale_replicas` until a later sync succeeds or they are removed.
 
+    The rollout side of a sync is one worker group made of the replicas' workers (see
+    :meth:`rollout_group`): of the class the replicas name in a ``worker_group_class``
+    attribute, else of :attr:`default_rollout_group_class`.
+
     Args:
         config: the checkpoint-engine configuration.
         actor_wg: the training-side worker group (a :class:`CheckpointEngineWorkerGroup`).
         replicas: the rollout replicas (:class:`RolloutReplica`).
     """
+
+    default_rollout_group_class: ClassVar[type[CheckpointEngineWorkerGroup]] = RayWorkerGroup
+    """The rollout side's worker group for replicas that name no ``worker_group_class``:
+    Ray handles of :class:`~weightsync_core.worker.CheckpointEngineWorker` actors."""
 
     def __init__(
         self,
@@ -163,12 +176,26 @@ class CheckpointEngineManager:
         return self.config.backend
 
     def add_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
-        """Include ``replicas`` from the next sync on."""
+        """Include ``replicas`` from the next sync on.
+
+        Raises:
+            ValueError: a replica is already managed, or names another
+                ``worker_group_class`` than the managed ones (one sync drives one rollout
+                group: manage such replicas with separate managers).
+        """
         for replica in replicas:
             if any(replica is known for known in self.replicas):
                 raise ValueError(f"replica {replica!r} is already managed")
+            group_class = self._worker_group_class(replica)
+            if self.replicas and group_class is not self._rollout_group_class():
+                raise ValueError(
+                    f"replica {replica!r} has workers of group class "
+                    f"{group_class.__qualname__}, the managed replicas "
+                    f"{self._rollout_group_class().__qualname__}; one sync drives one rollout "
+                    "group: manage these replicas with separate managers"
+                )
             self.replicas.append(replica)
-        self._addresses = {}  # rollout ranks are renumbered
+        self._addresses.clear()  # rollout ranks are renumbered
 
     def remove_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
         """Stop syncing ``replicas`` (e.g. after one failed); the others are untouched."""
@@ -177,13 +204,25 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
-        self._addresses = {}  # rollout ranks are renumbered
+        self._addresses.clear()  # rollout ranks are renumbered
 
     def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
-        """The worker group a sync drives on the rollout side, from the replicas' workers
-        (a :class:`RayWorkerGroup`; override for workers with other calling conventions,
-        as ``weightsync-verl`` does for verl's)."""
-        return RayWorkerGroup(workers)
+        """The worker group a sync drives on the rollout side, made of the replicas'
+        ``workers``: of the class the replicas name in ``worker_group_class``, else of
+        :attr:`default_rollout_group_class`. Override for workers with other calling
+        conventions, as ``weightsync-verl`` does for verl's."""
+        return self._rollout_group_class()(workers)
+
+    def _rollout_group_class(self) -> type[CheckpointEngineWorkerGroup]:
+        """The worker group class of the managed replicas (they all have the same)."""
+        if not self.replicas:
+            return self.default_rollout_group_class
+        return self._worker_group_class(self.replicas[0])
+
+    def _worker_group_class(
+        self, replica: RolloutReplica
+    ) -> type[CheckpointEngineWorkerGroup]:
+        return getattr(replica, "worker_group_class", None) or self.default_rollout_group_class
 
     @awaitable_or_blocking
     async def sleep_replicas(self) -> None:
@@ -229,10 +268,10 @@ class CheckpointEngineManager:
                 f"{stage}: replica class(es) {', '.join(missing)} have no {method}() method; "
                 f"implement it to use {stage}"
             )
-        deadline = asyncio.get_running_loop().time() + self.config.sync_timeout_seconds
-        calls = [(f"replica {index}", getattr(replica, method)(**options))
-                 for index, replica in enumerate(self.replicas)]
-        await self._run_stage(stage, calls, deadline)
+        await self._stages().run(stage, lambda: [
+            (f"replica {index}", getattr(replica, method)(**options))
+            for index, replica in enumerate(self.replicas)
+        ])
 
     def update_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
@@ -295,29 +334,34 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed; add_replicas() first")
         return await self._sync(chosen, global_steps, True, False)
 
+    def _stages(self) -> SyncStages:
+        """Stages under one deadline of ``sync_timeout_seconds`` from now."""
+        return SyncStages(self.backend, self.config.sync_timeout_seconds, self._addresses)
+
     async def _sync(
         self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
         allow_manifest_change: bool,
     ) -> dict[str, float]:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        stages = _StageRunner(self, started + self.config.sync_timeout_seconds)
+        """One sync to ``replicas``: pause them, move the weights, resume them; returns the
+        metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised."""
+        stages = self._stages()
         await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
-        lifecycle = replicas if not self.backend_cls.is_colocated else []
+        paused = replicas if not self.backend_cls.is_colocated else []
+        options = {"allow_manifest_change": True} if allow_manifest_change else {}
         try:
-            for name, method in (("abort_requests", "abort_all_requests"),
-                                 ("release_kv_cache", "release_kv_cache")):
-                await stages.run(name, functools.partial(self._replica_calls, lifecycle, method))
-            sent = await self._transfer(
-                stages, replicas, global_steps, from_cache, allow_manifest_change
-            )
+            await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"))
+            await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"))
+            if self.backend_cls.is_colocated:
+                sent = await self._hand_over_in_process(stages, global_steps, options)
+            else:
+                sent = await self._send_to_replicas(
+                    stages, replicas, global_steps, from_cache, options
+                )
+            self._check_tensors_moved(sent)
         except BaseException as exc:
-            error = exc if isinstance(exc, SyncStageError) else SyncStageError(
-                f"weight sync ({self.backend}) failed at stage {stages.current!r}: "
-                f"{type(exc).__name__}: {exc}", stage=stages.current,
-            )
+            error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
             await asyncio.shield(self._recover(error, replicas))
             if error is exc or isinstance(exc, asyncio.CancelledError):
                 raise
@@ -325,19 +369,129 @@ class CheckpointEngineManager:
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
-        for name in ("resume_kv_cache", "resume_generation"):
-            await stages.run(name, functools.partial(self._replica_calls, lifecycle, name),
-                             own_budget=True)
+        await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
+                         min_seconds=_CLEANUP_SECONDS)
+        await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
+                         min_seconds=_CLEANUP_SECONDS)
+        return self._sync_metrics(stages, sent, len(replicas))
 
-        metrics = stages.metrics
-        total = loop.time() - started
+    async def _hand_over_in_process(
+        self, stages: SyncStages, global_steps: int | None, options: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """A colocated engine's transfer: each actor rank loads its weights into the server
+        in its own process. Returns what each rank moved."""
+        actor_names = [f"actor_wg rank {rank}" for rank in range(self.actor_wg.world_size)]
+        return await stages.run("transfer", lambda: list(zip(
+            actor_names, self.actor_wg.update_weights(global_steps, **options), strict=True,
+        )))
+
+    async def _send_to_replicas(
+        self, stages: SyncStages, replicas: list[RolloutReplica], global_steps: int | None,
+        from_cache: bool, options: dict[str, Any],
+    ) -> list[dict[str, Any]]:
+        """The engines' stages of a sync from the actor ranks (or, ``from_cache``, the actor
+        side's cache) to the replicas' workers. Returns what was moved: the senders'
+        counts, or what one worker loaded from the cache."""
+        processes = self._processes(replicas)
+        progress = processes.engine_calls("sync_progress")
+        key = new_session_key()  # this sync's secret, handed to every process through Ray
+        await stages.run("authenticate", processes.engine_calls(
+            "set_session_key", {"key": [key] * processes.actor.world_size},
+            {"key": [key] * processes.rollout.world_size},
+        ), progress)
+        await self._locate(stages, processes, replicas)
+        metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
+        actor_kwargs, rollout_kwargs = self._topology(stages, replicas, metadata)
+        await stages.run("init_process_group", processes.engine_calls(
+            "init_process_group", actor_kwargs, rollout_kwargs,
+        ), progress)
+        if from_cache:
+            results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
+            sent = results[:1]
+        else:
+            results = await stages.run(
+                "transfer", processes.send_calls(global_steps, options), progress
+            )
+            sent = results[: processes.actor.world_size]
+        await stages.run("finalize", processes.engine_calls("finalize"), progress)
+        return sent
+
+    def _processes(self, replicas: list[RolloutReplica]) -> _SyncProcesses:
+        """The actor ranks and the workers of ``replicas`` (at least one), as one sync
+        drives them."""
+        workers = [worker for replica in replicas for worker in replica.workers]
+        if not workers:
+            raise SyncStageError(
+                f"backend {self.backend!r} moves weights to rollout workers, but the manager "
+                "has no replicas; add_replicas() first", stage="prepare",
+            )
+        return _SyncProcesses(
+            actor=self.actor_wg,
+            rollout=self.rollout_group(workers),
+            actor_names=[f"actor_wg rank {rank}" for rank in range(self.actor_wg.world_size)],
+            rollout_names=[
+                f"rollout rank {rank} (replica {index}, worker {local})"
+                for rank, (index, local) in enumerate(
+                    (index, local) for index, replica in enumerate(replicas)
+                    for local in range(len(replica.workers))
+                )
+            ],
+        )
+
+    async def _locate(
+        self, stages: SyncStages, processes: _SyncProcesses, replicas: list[RolloutReplica]
+    ) -> None:
+        """Learn where each process runs, so that a failure names the host (a cable, a
+        switch); a replica's stages (abort, resume) name the host of its first worker."""
+        hosts = await stages.run("locate", processes.engine_calls("address"))
+        self._addresses.clear()
+        self._addresses.update(zip(processes.names, hosts, strict=True))
+        first_workers = itertools.accumulate([0, *(len(r.workers) for r in replicas[:-1])])
+        self._addresses.update({
+            f"replica {index}": self._addresses[processes.rollout_names[first]]
+            for index, first in enumerate(first_workers)
+        })
+
+    def _topology(
+        self, stages: SyncStages, replicas: list[RolloutReplica], metadata: list[Any]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The backend's per-rank ``init_process_group`` arguments (actor side, rollout
+        side) from what ``prepare`` returned; a failure is stage ``build_topology``'s."""
+        try:
+            actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
+                self.actor_wg.world_size, [len(replica.workers) for replica in replicas],
+                metadata,
+            )
+        except Exception as exc:
+            raise stages.error(exc, "build_topology") from exc
+        # engines written for verl may name the method too (verl's manager overwrites it)
+        actor_kwargs.pop("method", None)
+        rollout_kwargs.pop("method", None)
+        return actor_kwargs, rollout_kwargs
+
+    def _check_tensors_moved(self, sent: list[dict[str, Any]]) -> None:
+        """Refuse a sync that moved no tensor (engines refuse that themselves; this guards
+        against one that does not)."""
+        if not any(result.get("num_tensors") for result in sent):
+            raise SyncStageError(
+                f"weight sync ({self.backend}) moved no tensors; a sync that loads nothing is "
+                "refused (does the actor's weight iterator yield anything?)", stage="transfer",
+            )
+
+    @staticmethod
+    def _sync_metrics(
+        stages: SyncStages, sent: list[dict[str, Any]], replicas: int
+    ) -> dict[str, float]:
+        """The stages' timings and what the sync moved (see :meth:`update_weights`)."""
+        metrics = dict(stages.metrics)
+        total = stages.elapsed()
         nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
         metrics.update({
             "weightsync/bytes": float(nbytes),
             "weightsync/tensors": float(max((r.get("num_tensors", 0) for r in sent), default=0)),
             "weightsync/buckets": float(max((r.get("num_buckets", 0) for r in sent), default=0)),
-            "weightsync/replicas": float(len(replicas)),
+            "weightsync/replicas": float(replicas),
             "weightsync/seconds/total": total,
             "weightsync/transfer_gbps": (
                 nbytes / transfer_seconds / 1e9 if transfer_seconds else 0.0
@@ -346,201 +500,21 @@ class CheckpointEngineManager:
         })
         return metrics
 
-    async def _transfer(
-        self, stages: _StageRunner, replicas: list[RolloutReplica], global_steps: int | None,
-        from_cache: bool, allow_manifest_change: bool,
-    ) -> list[dict[str, Any]]:
-        actor_wg = self.actor_wg
-        actor_names = [f"actor_wg rank {rank}" for rank in range(actor_wg.world_size)]
-        manifest_option = {"allow_manifest_change": True} if allow_manifest_change else {}
-        if self.backend_cls.is_colocated:
-            sent = await stages.run("transfer", lambda: list(zip(
-                actor_names, actor_wg.update_weights(global_steps, **manifest_option),
-                strict=True,
-            )))
-            return self._nonempty(sent, stages)
-        workers = [worker for replica in replicas for worker in replica.workers]
-        if not workers:
-            raise SyncStageError(
-                f"backend {self.backend!r} moves weights to rollout workers, but the manager "
-                "has no replicas; add_replicas() first", stage="prepare",
-            )
-        rollout = self.rollout_group(workers)
-        rollout_names = [
-            f"rollout rank {rank} (replica {index}, worker {local})"
-            for rank, (index, local) in enumerate(
-                (index, local) for index, replica in enumerate(replicas)
-                for local in range(len(replica.workers))
-            )
-        ]
-        names = actor_names + rollout_names
-
-        def both(method: str, actor_kwargs=None, rollout_kwargs=None) -> Callable[[], Calls]:
-            def calls() -> Calls:
-                refs = actor_wg.execute_checkpoint_engine(method, **(actor_kwargs or {}))
-                refs += rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))
-                return list(zip(names, refs, strict=True))
-            return calls
-
-        progress = both("sync_progress")
-        key = new_session_key()  # this sync's secret, handed to every process through Ray
-        await stages.run("authenticate", both(
-            "set_session_key", {"key": [key] * actor_wg.world_size},
-            {"key": [key] * rollout.world_size},
-        ), progress)
-        # where each process runs, so that a failure names the host (a cable, a switch)
-        self._addresses = dict(zip(names, await stages.run("locate", both("address")),
-                                   strict=True))
-        first_workers = itertools.accumulate([0, *(len(r.workers) for r in replicas[:-1])])
-        self._addresses.update({  # a replica's stages (abort, resume) blame the replica
-            f"replica {index}": self._addresses[rollout_names[first]]
-            for index, first in enumerate(first_workers)
-        })
-        metadata = await stages.run("prepare", both("prepare"), progress)
-        try:
-            actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
-                actor_wg.world_size, [len(replica.workers) for replica in replicas], metadata
-            )
-            # engines written for verl may name the method too (verl's manager overwrites it)
-            actor_kwargs.pop("method", None)
-            rollout_kwargs.pop("method", None)
-        except Exception as exc:
-            raise SyncStageError(
-                f"weight sync ({self.backend}) failed at stage 'build_topology': "
-                f"{type(exc).__name__}: {exc}", stage="build_topology",
-            ) from exc
-        await stages.run(
-            "init_process_group", both("init_process_group", actor_kwargs, rollout_kwargs),
-            progress,
-        )
-        if from_cache:  # the actor ranks send nothing: the rollout workers pull the cache
-            results = await stages.run("transfer", lambda: list(zip(
-                rollout_names, rollout.update_weights_from_cache(global_steps), strict=True
-            )), progress)
-        else:
-            results = await stages.run("transfer", lambda: list(zip(
-                names,
-                actor_wg.update_weights(global_steps, **manifest_option)
-                + rollout.update_weights(global_steps, **manifest_option),
-                strict=True,
-            )), progress)
-        await stages.run("finalize", both("finalize"), progress)
-        # payload per receiver: the senders' counts, or (from the cache) what a worker loaded
-        sent = results[: actor_wg.world_size] if not from_cache else results[:1]
-        return self._nonempty(sent, stages)
-
-    def _nonempty(self, sent: list[dict[str, Any]], stages: _StageRunner) -> list[dict[str, Any]]:
-        """``sent``, unless no tensor was moved (engines refuse that themselves; this guards
-        against one that does not)."""
-        if not any(result.get("num_tensors") for result in sent):
-            stages.current = "transfer"
-            raise SyncStageError(
-                f"weight sync ({self.backend}) moved no tensors; a sync that loads nothing is "
-                "refused (does the actor's weight iterator yield anything?)", stage="transfer",
-            )
-        return sent
-
     @staticmethod
-    def _replica_calls(replicas: list[RolloutReplica], method: str):
-        return [(f"replica {index}", getattr(r, method)()) for index, r in enumerate(replicas)]
+    def _replica_calls(replicas: list[RolloutReplica], method: str) -> Callable[[], Calls]:
+        """Calls of ``replica.<method>()`` on each of ``replicas``."""
+        return lambda: [(f"replica {index}", getattr(replica, method)())
+                        for index, replica in enumerate(replicas)]
 
     async def _run_stage(
         self, stage: str, calls: Calls, deadline: float,
         probe: Callable[[], Calls] | None = None,
     ) -> list[Any]:
-        loop = asyncio.get_running_loop()
-        tasks = [asyncio.ensure_future(call) for _, call in calls]
-        if not tasks:
-            return []
-        names = [name for name, _ in calls]
-        done, pending = await asyncio.wait(
-            tasks, timeout=max(deadline - loop.time(), 0.0),
-            return_when=asyncio.FIRST_EXCEPTION,
-        )
-        failed = [task for task in done if not task.cancelled() and task.exception()]
-        if failed and pending:
-            # give the other ranks a moment to report, so the root cause can be named
-            await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, max(deadline - loop.time(), 0)))
-        failures = [
-            (name, task.exception()) for name, task in zip(names, tasks, strict=True)
-            if task.done() and not task.cancelled() and task.exception() is not None
-        ]
-        pending_names = [name for name, task in zip(names, tasks, strict=True)
-                         if not task.done()]
-        stalled: list[Culprit] = []
-        if pending_names and probe is not None:
-            stalled = await self._probe(pending_names, probe, failures, names)
-        self._cancel([call for (_, call), task in zip(calls, tasks, strict=True)
-                      if not task.done()], tasks)
-        if failures:
-            raise self._failure(stage, names, failures, stalled)
-        if pending_names:
-            blamed = stalled[0].name if stalled else None
-            culprit = f"{blamed} {stalled[0].verdict}; " if stalled else ""
-            host = self._addresses.get(blamed) if blamed else None
-            raise SyncTimeoutError(
-                f"weight sync ({self.backend}) timed out at stage {stage!r} after "
-                f"{self.config.sync_timeout_seconds:.0f}s (sync_timeout_seconds): {culprit}"
-                f"still waiting on: {', '.join(pending_names)}"
-                + (f". {blamed} runs on host {host}" if host else ""),
-                stage=stage, pending=pending_names, culprit=blamed, host=host,
-            )
-        return [task.result() for task in tasks]
-
-    async def _probe(
-        self, pending: list[str], probe: Callable[[], Calls],
-        failures: list[tuple[str, BaseException]], names: list[str],
-    ) -> list[Culprit]:
-        """Ask the ``pending`` processes what they are doing; a process that died shows up
-        in ``failures``, one that does not answer within a second counts as frozen."""
-        asked = [(name, asyncio.ensure_future(call)) for name, call in probe()
-                 if name in pending]
-        await asyncio.wait([task for _, task in asked], timeout=_PROBE_SECONDS)
-        reports: dict[str, dict[str, Any] | None] = {}
-        for name, task in asked:
-            if not task.done():
-                task.cancel()
-                reports[name] = None
-            elif task.cancelled() or task.exception() is not None:
-                exc = task.exception() if not task.cancelled() else None
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    failures.append((name, exc))
-                else:
-                    reports[name] = None
-            else:
-                reports[name] = task.result()
-        return stalled_processes(reports, names)
-
-    def _failure(
-        self, stage: str, names: list[str], failures: list[tuple[str, BaseException]],
-        stalled: list[Culprit],
-    ) -> SyncStageError:
-        """The error of a failed stage, its root cause in the headline."""
-        culprit, reporter, exc = rank_failures(failures, names, stalled)
-        host = self._addresses.get(culprit.name)
-        others = "; ".join(f"{other}: {describe_exception(e)}"
-                           for other, e in failures if other != reporter)[:1200]
-        if culprit.verdict == "failed":
-            where = f"on {reporter}: "
-        elif culprit.name == reporter:
-            where = f"{culprit.name} {culprit.verdict}: "
-        else:
-            where = f"{culprit.name} {culprit.verdict} (reported by {reporter}): "
-        return SyncStageError(
-            f"weight sync ({self.backend}) failed at stage {stage!r} {where}"
-            f"{describe_exception(exc)}" + (f". Also failed: {others}" if others else "")
-            + (f". {culprit.name} runs on host {host}" if host else ""),
-            stage=stage, worker=culprit.name, host=host,
-        )
-
-    @staticmethod
-    def _cancel(calls: list[Awaitable[Any]], tasks: list[asyncio.Future]) -> None:
-        for call in calls:
-            if isinstance(call, ray.ObjectRef):
-                with contextlib.suppress(Exception):
-                    ray.cancel(call)
-        for task in tasks:
-            task.cancel()
+        """Run one stage outside a sync until ``deadline`` (loop time), as
+        :meth:`SyncStages.run` (``weightsync-verl`` runs verl's naive hand-over so)."""
+        stages = self._stages()
+        stages.deadline = deadline
+        return await stages.run(stage, lambda: calls, probe)
 
     async def _settle_cleanup(self, budget: float) -> None:
         """Wait (at most ``budget`` seconds, and :data:`_CLEANUP_SECONDS`) for the clean-up

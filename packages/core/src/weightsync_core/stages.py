@@ -1,0 +1,206 @@
+"""A weight sync's stages: run one after another under one deadline, each timed.
+
+A stage is a set of concurrent calls, one per process (an actor rank, a rollout worker, a
+replica). A stage that fails or runs past the deadline raises :class:`SyncStageError` or
+:class:`SyncTimeoutError` naming the stage and the process to blame (see
+:mod:`weightsync_core.blame`), and the host it runs on when that is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from weightsync_core.blame import (
+    Culprit,
+    describe_exception,
+    rank_failures,
+    stalled_processes,
+)
+from weightsync_core.errors import SyncStageError, SyncTimeoutError
+
+__all__ = ["Calls", "SyncStages"]
+
+Calls = Sequence[tuple[str, Awaitable[Any]]]
+"""One stage's calls: ``(process or replica name, awaitable)``."""
+
+_GRACE_SECONDS = 2.0
+"""How long the other processes of a failed stage may take to report their own failure."""
+_PROBE_SECONDS = 1.0
+"""How long a process may take to say what it is doing before it counts as frozen."""
+
+
+class SyncStages:
+    """Runs the stages of one sync (or one replica lifecycle call) under one deadline,
+    ``timeout_seconds`` from now, and records how long each took in :attr:`metrics`
+    (``weightsync/seconds/<stage>``: from the end of the previous stage, or from the start,
+    to the end of this one).
+
+    Args:
+        backend: the backend's name, for error messages.
+        timeout_seconds: the deadline of all stages together (``sync_timeout_seconds``).
+        hosts: the host of each process by name; read when a stage fails, so it may be
+            filled in as the sync goes (by the stage that asks every process where it runs).
+    """
+
+    def __init__(
+        self, backend: str, timeout_seconds: float, hosts: Mapping[str, str] | None = None
+    ) -> None:
+        self.backend = backend
+        self.timeout_seconds = timeout_seconds
+        self.hosts: Mapping[str, str] = hosts if hosts is not None else {}
+        self._loop = asyncio.get_running_loop()
+        self.started = self._loop.time()
+        self.deadline = self.started + timeout_seconds
+        """When every stage must have finished (loop time)."""
+        self.current = ""
+        """The stage running, or the last one run."""
+        self.metrics: dict[str, float] = {}
+        """``weightsync/seconds/<stage>`` of every stage that finished."""
+        self._stage_start = self.started
+
+    def elapsed(self) -> float:
+        """Seconds since these stages were set up."""
+        return self._loop.time() - self.started
+
+    async def run(
+        self, name: str, calls: Callable[[], Calls],
+        probe: Callable[[], Calls] | None = None, *, min_seconds: float = 0.0,
+    ) -> list[Any]:
+        """Run stage ``name``: start ``calls()`` and return their results in order.
+
+        ``probe()`` asks the stage's processes what they are doing (``sync_progress``) when
+        some fail or time out, so that the one that stopped making progress is blamed.
+        ``min_seconds``: the stage may run this long even past the deadline (clean-up
+        stages, so that a sync whose transfer finished is not failed by its clean-up).
+
+        Raises:
+            SyncStageError: a call failed; names the process to blame.
+            SyncTimeoutError: calls were still running at the deadline.
+        """
+        self.current = name
+        deadline = max(self.deadline, self._loop.time() + min_seconds)
+        results = await self._run_calls(name, calls(), deadline, probe)
+        now = self._loop.time()
+        self.metrics[f"weightsync/seconds/{name}"] = now - self._stage_start
+        self._stage_start = now
+        return results
+
+    def error(self, exc: BaseException, stage: str | None = None) -> SyncStageError:
+        """``exc``, raised by the driver's own work during ``stage`` (default: the current
+        one), as that stage's :class:`SyncStageError`."""
+        stage = self.current if stage is None else stage
+        return SyncStageError(
+            f"weight sync ({self.backend}) failed at stage {stage!r}: "
+            f"{type(exc).__name__}: {exc}", stage=stage,
+        )
+
+    async def _run_calls(
+        self, stage: str, calls: Calls, deadline: float, probe: Callable[[], Calls] | None
+    ) -> list[Any]:
+        tasks = [asyncio.ensure_future(call) for _, call in calls]
+        if not tasks:
+            return []
+        names = [name for name, _ in calls]
+        done, _ = await asyncio.wait(
+            tasks, timeout=self._left(deadline), return_when=asyncio.FIRST_EXCEPTION,
+        )
+        failed = [task for task in done if not task.cancelled() and task.exception()]
+        pending = [task for task in tasks if not task.done()]
+        if failed and pending:
+            # give the other ranks a moment to report, so the root cause can be named
+            await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, self._left(deadline)))
+        failures = [
+            (name, task.exception()) for name, task in zip(names, tasks, strict=True)
+            if task.done() and not task.cancelled() and task.exception() is not None
+        ]
+        pending_names = [name for name, task in zip(names, tasks, strict=True)
+                         if not task.done()]
+        stalled: list[Culprit] = []
+        if pending_names and probe is not None:
+            stalled = await _probe(pending_names, probe, failures, names)
+        _cancel([call for (_, call), task in zip(calls, tasks, strict=True)
+                 if not task.done()], tasks)
+        if failures:
+            raise self._failure(stage, names, failures, stalled)
+        if pending_names:
+            raise self._timeout(stage, pending_names, stalled)
+        return [task.result() for task in tasks]
+
+    def _left(self, deadline: float) -> float:
+        return max(deadline - self._loop.time(), 0.0)
+
+    def _failure(
+        self, stage: str, names: list[str], failures: list[tuple[str, BaseException]],
+        stalled: list[Culprit],
+    ) -> SyncStageError:
+        """The error of a failed stage, its root cause in the headline."""
+        culprit, reporter, exc = rank_failures(failures, names, stalled)
+        host = self.hosts.get(culprit.name)
+        others = "; ".join(f"{other}: {describe_exception(e)}"
+                           for other, e in failures if other != reporter)[:1200]
+        if culprit.verdict == "failed":
+            where = f"on {reporter}: "
+        elif culprit.name == reporter:
+            where = f"{culprit.name} {culprit.verdict}: "
+        else:
+            where = f"{culprit.name} {culprit.verdict} (reported by {reporter}): "
+        return SyncStageError(
+            f"weight sync ({self.backend}) failed at stage {stage!r} {where}"
+            f"{describe_exception(exc)}" + (f". Also failed: {others}" if others else "")
+            + (f". {culprit.name} runs on host {host}" if host else ""),
+            stage=stage, worker=culprit.name, host=host,
+        )
+
+    def _timeout(
+        self, stage: str, pending: list[str], stalled: list[Culprit]
+    ) -> SyncTimeoutError:
+        """The error of a stage whose ``pending`` processes did not finish in time."""
+        blamed = stalled[0].name if stalled else None
+        culprit = f"{blamed} {stalled[0].verdict}; " if stalled else ""
+        host = self.hosts.get(blamed) if blamed else None
+        return SyncTimeoutError(
+            f"weight sync ({self.backend}) timed out at stage {stage!r} after "
+            f"{self.timeout_seconds:.0f}s (sync_timeout_seconds): {culprit}"
+            f"still waiting on: {', '.join(pending)}"
+            + (f". {blamed} runs on host {host}" if host else ""),
+            stage=stage, pending=pending, culprit=blamed, host=host,
+        )
+
+
+async def _probe(
+    pending: list[str], probe: Callable[[], Calls],
+    failures: list[tuple[str, BaseException]], names: list[str],
+) -> list[Culprit]:
+    """Ask the ``pending`` processes what they are doing; a process that died is added to
+    ``failures``, one that does not answer within :data:`_PROBE_SECONDS` counts as frozen."""
+    asked = [(name, asyncio.ensure_future(call)) for name, call in probe() if name in pending]
+    await asyncio.wait([task for _, task in asked], timeout=_PROBE_SECONDS)
+    reports: dict[str, dict[str, Any] | None] = {}
+    for name, task in asked:
+        if not task.done():
+            task.cancel()
+            reports[name] = None
+        elif task.cancelled() or task.exception() is not None:
+            exc = task.exception() if not task.cancelled() else None
+            if isinstance(exc, ray.exceptions.RayActorError):
+                failures.append((name, exc))
+            else:
+                reports[name] = None
+        else:
+            reports[name] = task.result()
+    return stalled_processes(reports, names)
+
+
+def _cancel(calls: list[Awaitable[Any]], tasks: list[asyncio.Future]) -> None:
+    """Cancel the Ray calls among ``calls`` and every task."""
+    for call in calls:
+        if isinstance(call, ray.ObjectRef):
+            with contextlib.suppress(Exception):
+                ray.cancel(call)
+    for task in tasks:
+        task.cancel()
