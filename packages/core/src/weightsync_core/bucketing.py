@@ -28,6 +28,7 @@ __all__ = [
     "PackedBucket",
     "ReceiveBuffers",
     "TensorMeta",
+    "ViewTrackedBuffers",
     "WeightsSource",
     "as_bytes",
     "cast_for_rollout",
@@ -357,13 +358,60 @@ class BucketUnpacker:
         return sorted(self._partial)
 
 
+class ViewTrackedBuffers:
+    """A fixed number of buffer slots, each of which knows whether anything beyond the
+    engine still views its memory (checked on the storage's reference count against its
+    value right after allocation).
+
+    This is the one place where receivers that yield views of their buffers (instead of
+    copies) decide whether a slot may be written again: a viewed slot gets a new buffer,
+    so a consumer that keeps received tensors never sees them overwritten.
+
+    Args:
+        allocate: returns one new buffer for the slot it is given (ready to receive into:
+            e.g. already registered with a transport, whose own references then count as
+            the baseline).
+        slots: number of buffer slots; each starts empty.
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor], slots: int) -> None:
+        self._allocate = allocate
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._baselines: list[int | None] = [None] * slots
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __getitem__(self, slot: int) -> torch.Tensor | None:
+        """The buffer in ``slot`` (None before its first :meth:`replace`)."""
+        return self._buffers[slot]
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter(self._buffers)
+
+    def reusable(self, slot: int) -> bool:
+        """True if ``slot`` holds a buffer that nothing outside the engine views."""
+        buffer = self._buffers[slot]
+        if buffer is None:
+            return False
+        refs = storage_refs(buffer)
+        return refs is not None and refs == self._baselines[slot]
+
+    def replace(self, slot: int) -> torch.Tensor:
+        """Give ``slot`` a newly allocated buffer (the old one is left to whoever still
+        views it) and return it."""
+        buffer = self._buffers[slot] = self._allocate(slot)
+        self._baselines[slot] = storage_refs(buffer)
+        return buffer
+
+
 class ReceiveBuffers:
     """Bucket buffers for a receiver that yields views instead of copies.
 
-    A slot's buffer is reused only if nothing outside the engine still views it (checked on
-    the storage's reference count); otherwise a fresh buffer replaces it, so a consumer that
-    keeps received tensors never sees them overwritten. Three slots let a streaming consumer
-    hold the previous tensor while the next bucket arrives, without forcing a new buffer.
+    A slot's buffer is reused only if nothing outside the engine still views it (see
+    :class:`ViewTrackedBuffers`); otherwise a fresh buffer replaces it. Three slots let a
+    streaming consumer hold the previous tensor while the next bucket arrives, without
+    forcing a new buffer.
 
     Args:
         allocate: returns one new bucket buffer.
@@ -371,21 +419,16 @@ class ReceiveBuffers:
     """
 
     def __init__(self, allocate: Callable[[], torch.Tensor], slots: int = 3) -> None:
-        self._allocate = allocate
-        self._buffers: list[torch.Tensor | None] = [None] * slots
-        self._baseline = [0] * slots
+        self._buffers = ViewTrackedBuffers(lambda _slot: allocate(), slots)
         self.allocations = 0
 
     def take(self, index: int) -> torch.Tensor:
         """The buffer to receive bucket ``index`` into."""
         slot = index % len(self._buffers)
-        buffer = self._buffers[slot]
-        refs = None if buffer is None else storage_refs(buffer)
-        if refs is None or refs > self._baseline[slot]:
-            buffer = self._buffers[slot] = self._allocate()
-            self._baseline[slot] = storage_refs(buffer) or 0
-            self.allocations += 1
-        return buffer
+        if self._buffers.reusable(slot):
+            return self._buffers[slot]
+        self.allocations += 1
+        return self._buffers.replace(slot)
 
 
 def storage_refs(tensor: torch.Tensor) -> int | None:
