@@ -1,0 +1,125 @@
+"""The broadcast group's lifecycle: the port reserved in ``prepare``, the rendezvous that
+builds the communicators, their reuse by a later sync with the same members, and teardown.
+
+The group's rendezvous store listens on the configured host only, and every key lives under
+a prefix derived from the session key: a process outside the sync can neither read the
+members' addresses nor claim a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from weightsync_core.errors import WeightSyncError
+from weightsync_core.process_group import (
+    create_store,
+    listen_on_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.wire import MessageSealer
+
+__all__ = ["BroadcastGroup", "GroupLifecycle", "NewDataGroup"]
+
+NewDataGroup = Callable[[dist.Store, int, int, dist.ProcessGroup], dist.ProcessGroup]
+"""Builds the communicator for bucket bytes: ``(store, rank, world_size, control group)``."""
+
+
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """One sync's communicators, captured by every transfer so that a thread left over from
+    an aborted sync can never post into the next sync's group."""
+
+    control: dist.ProcessGroup
+    data: dist.ProcessGroup
+    store: dist.Store
+    sender: str
+    sealer: MessageSealer
+    """Seals and opens this sync's metadata (the group may outlive a sync; the key not)."""
+
+
+class GroupLifecycle:
+    """The group of one engine, across syncs.
+
+    Args:
+        engine_name: names the engine in errors.
+        group_name: prefix of the engine's keys in the rendezvous store.
+        init_timeout: seconds set-up may take before failing with the ranks that never
+            arrived.
+    """
+
+    def __init__(self, engine_name: str, group_name: str, init_timeout: float) -> None:
+        self.engine_name = engine_name
+        self.group_name = group_name
+        self.init_timeout = init_timeout
+        self.group: BroadcastGroup | None = None
+        self.key: dict[str, Any] | None = None
+        """What identifies the group held (its port and members), offered for reuse."""
+        self._listener: socket.socket | None = None
+
+    def reserve_port(self, host: str) -> int:
+        """Listen on a free port of ``host`` from now on (closing any earlier reservation):
+        if this process becomes group rank 0, its store serves this very socket (no other
+        process can take the port meanwhile)."""
+        self.close_listener()
+        self._listener = listen_on_free_port(host)
+        return self._listener.getsockname()[1]
+
+    def close_listener(self) -> None:
+        """Give up the reserved port, if any."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+    def reuse(
+        self, rank: int, master_metadata: dict[str, Any], members: list[str] | None,
+        sealer: MessageSealer,
+    ) -> None:
+        """Keep the held group for this sync (with its key); it must be the one asked for."""
+        self.close_listener()
+        if self.group is None or self.key != {
+            "port": master_metadata["port"], "members": members
+        }:
+            raise WeightSyncError(
+                f"{self.engine_name}: asked to reuse a group this process does not hold "
+                f"(rank {rank}); the topology and the engine state disagree"
+            )
+        self.group = dataclasses.replace(self.group, sealer=sealer)
+
+    def build(
+        self, rank: int, world_size: int, master_metadata: dict[str, Any],
+        members: list[str] | None, sealer: MessageSealer, *, host: str, timeout: float,
+        new_data_group: NewDataGroup,
+    ) -> None:
+        """Rendezvous with the other ranks and build the communicators (group rank 0
+        serves the store on the port it reserved; every other rank gives its port up)."""
+        listener, self._listener = self._listener, None
+        if rank != 0 and listener is not None:
+            listener.close()
+            listener = None
+        store = create_store(
+            master_metadata["host"], master_metadata["port"], rank, world_size,
+            self.init_timeout, f"{self.group_name}/{sealer.derive('rendezvous')}",
+            listener=listener,
+        )
+        rendezvous(store, rank, world_size, self.init_timeout)
+        control = new_gloo_group(dist.PrefixStore("control", store), rank, world_size, timeout,
+                                 host)
+        data = new_data_group(dist.PrefixStore("data", store), rank, world_size, control)
+        sender = f"actor rank {master_metadata.get('sender', 0)}"
+        self.group = BroadcastGroup(control, data, store, sender, sealer)
+        self.key = {"port": master_metadata["port"], "members": members}
+
+    def destroy(self) -> None:
+        """Drop the group."""
+        group, self.group = self.group, None
+        self.key = None
+        # Dropping the communicators last: their destructors may wait for transfers still in
+        # flight after a failure, and by then the engine's state is already clean.
+        del group

@@ -1,0 +1,54 @@
+"""Relaying buckets packed elsewhere: kimi's replica leader pulls buckets peer-to-peer and
+feeds them to its replica's broadcast group through this API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import torch
+
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import BucketMeta
+from weightsync_core.engines.broadcast.protocol import (
+    AbortMessage,
+    BroadcastMessage,
+    BucketMessage,
+    FinalMessage,
+)
+from weightsync_core.errors import WeightSyncError
+from weightsync_core.verification import Manifest
+
+__all__ = ["BroadcastRelay"]
+
+
+class BroadcastRelay:
+    """The relay API of :class:`~weightsync_core.engines.CollectiveBroadcastCheckpointEngine`
+    (a mixin: it posts through the engine's group and wire protocol)."""
+
+    async def relay_bucket(self, meta: BucketMeta, data: torch.Tensor) -> None:
+        """Group rank 0: broadcast one already-packed bucket (``data`` = its used bytes, on
+        this engine's device); returns once it has left. Receivers run
+        :meth:`receive_weights` as usual."""
+        await self._relay(BucketMessage(meta), data)
+
+    async def relay_final(self, manifest: Manifest, global_steps: int | None) -> None:
+        """Group rank 0: end a relayed stream with the sender's manifest."""
+        await self._relay(FinalMessage(list(manifest), global_steps))
+
+    async def relay_abort(self, reason: str) -> None:
+        """Group rank 0: tell the receivers the relayed stream is off (best effort)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._relay(AbortMessage(reason)), min(self.timeout, 30.0))
+
+    async def _relay(self, message: BroadcastMessage, data: torch.Tensor | None = None) -> None:
+        group = self._require_group(sender=True)
+        if group is None:
+            raise WeightSyncError(f"{type(self).__name__}: this rank has no group to relay to")
+        try:
+            if data is not None:
+                self._synchronize_device()
+            await run_blocking(self._wait, group, self._post_message(group, message, data))
+        except BaseException:
+            self._healthy = False
+            raise
