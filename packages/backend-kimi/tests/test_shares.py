@@ -29,14 +29,14 @@ def _meta(index):
 def test_topology_has_one_leader_per_replica_and_owners_everywhere():
     metadata = [_meta(i) for i in range(2 + 3)]
     actors, rollout = kimi_topology(2, [1, 2], metadata)
-    assert [p["role"] for p in actors["plan"]] == ["owner", "owner"]
-    assert actors["plan"][0]["leaders"] == ["tcp://h:2", "tcp://h:3"]
-    assert [p["role"] for p in rollout["plan"]] == ["leader", "leader", "member"]
-    assert rollout["plan"][0]["inner"] is None  # a single-worker replica has no group
-    assert rollout["plan"][1]["inner"]["rank"] == 0
-    assert rollout["plan"][2]["inner"]["rank"] == 1
-    assert len(rollout["plan"][1]["owners"]) == 2
-    assert len({p["sync_id"] for p in actors["plan"] + rollout["plan"]}) == 1
+    assert [p.role for p in actors["plan"]] == ["owner", "owner"]
+    assert actors["plan"][0].leaders == ("tcp://h:2", "tcp://h:3")
+    assert [p.role for p in rollout["plan"]] == ["leader", "leader", "member"]
+    assert rollout["plan"][0].inner is None  # a single-worker replica has no group
+    assert rollout["plan"][1].inner["rank"] == 0
+    assert rollout["plan"][2].inner["rank"] == 1
+    assert len(rollout["plan"][1].owners) == 2
+    assert len({p.sync_id for p in actors["plan"] + rollout["plan"]}) == 1
 
 
 def test_topology_refuses_empty_replicas():

@@ -45,7 +45,7 @@ from weightsync_core.spi import (
 )
 from weightsync_kimi.options import KimiOptions
 from weightsync_kimi.shares import ShareAssigner, ShareManifest, ShareMessage, rollout_nbytes
-from weightsync_kimi.topology import kimi_topology
+from weightsync_kimi.topology import KimiPlan, kimi_topology
 from weightsync_mooncake.transport import MooncakeTransport
 
 __all__ = ["KimiCheckpointEngine"]
@@ -77,7 +77,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             **{"rebuild_group": options.rebuild_group, **options.collective_kwargs},
         )
         self._endpoints = PeerEndpoints(host, self._open_transport, ShareMessage)
-        self._plan: dict[str, Any] | None = None
+        self._plan: KimiPlan | None = None
         self._pinned = torch.cuda.is_available()
         self._cache: ShareManifest | None = None
         self._cache_buffers: list[torch.Tensor] = []
@@ -125,12 +125,12 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         return kimi_topology(actor_wg_world_size, replica_sizes, metadata)
 
-    def init_process_group(self, plan: dict[str, Any]) -> None:
+    def init_process_group(self, plan: KimiPlan) -> None:
         self.channel.use_key(self.session_key)
         self._plan = plan
-        if plan["inner"] is not None:
-            self._inner.init_process_group(**plan["inner"])
-        if plan["role"] == "leader" and not self._slots:
+        if plan.has_replica_group:
+            self._inner.init_process_group(**plan.inner)
+        if plan.role == "leader" and not self._slots:
             self._slots = [self._register(self._allocate()) for _ in range(2)]
 
     # -- actor side ----------------------------------------------------------------------
@@ -139,8 +139,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     ) -> TransferStats:
         start = time.perf_counter()
         plan = self._require("owner", "send_weights")
-        rank = plan["rank"]
-        assigner = ShareAssigner(plan["world_size"])
+        rank = plan.rank
+        assigner = ShareAssigner(plan.world_size)
         totals = {"bytes": 0, "tensors": 0}
 
         async def own_share() -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -167,11 +167,11 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
                 "nothing is refused (does iter_weights yield anything?)"
             )
         share = ShareManifest(
-            rank, self.transport.metadata(), plan["sync_id"], buckets, packer.manifest,
+            rank, self.transport.metadata(), plan.sync_id, buckets, packer.manifest,
             global_steps,
         )
-        message = ShareMessage(plan["sync_id"], share)
-        for leader in plan["leaders"]:
+        message = ShareMessage(plan.sync_id, share)
+        for leader in plan.leaders:
             try:
                 await self.channel.send(leader, message, self.timeout)
             except TimeoutError as exc:
@@ -190,7 +190,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         plan = self._require(("leader", "member"), "receive_weights")
-        if plan["role"] == "member":
+        if plan.role == "member":
             async for item in self._inner.receive_weights(global_steps):
                 yield item
             return
@@ -201,11 +201,11 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     async def get_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Load the shares the actor ranks hold from the last update (nothing is sent)."""
         plan = self._require(("leader", "member"), "get_weights")
-        if plan["role"] == "member":
+        if plan.role == "member":
             async for item in self._inner.receive_weights():
                 yield item
             return
-        shares = [owner["cache"] for owner in plan["owners"]]
+        shares = [owner.cache for owner in plan.owners]
         missing = [rank for rank, share in enumerate(shares) if share is None]
         error = None
         if missing:
@@ -224,7 +224,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         (the cache) until the next update; the leader's pull buffers are released unless
         ``keep_buffers``."""
         plan, self._plan = self._plan, None
-        if plan is not None and plan["inner"] is not None:
+        if plan is not None and plan.has_replica_group:
             self._inner.finalize()
         if not self.keep_buffers:
             self._release_slots()
@@ -247,13 +247,13 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self._endpoints.close()
 
     # -- internals -----------------------------------------------------------------------
-    def _require(self, roles: str | tuple[str, ...], method: str) -> dict[str, Any]:
+    def _require(self, roles: str | tuple[str, ...], method: str) -> KimiPlan:
         plan = self._plan
         roles = (roles,) if isinstance(roles, str) else roles
         if plan is None:
             raise WeightSyncError(f"kimi: init_process_group must run before {method}")
-        if plan["role"] not in roles:
-            raise WeightSyncError(f"kimi: a {plan['role']} process cannot {method}")
+        if plan.role not in roles:
+            raise WeightSyncError(f"kimi: a {plan.role} process cannot {method}")
         return plan
 
     def _allocate(self) -> torch.Tensor:
@@ -276,9 +276,9 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             with contextlib.suppress(Exception):
                 self.transport.deregister(slot)
 
-    async def _collect_shares(self, plan: dict[str, Any]) -> list[ShareManifest]:
+    async def _collect_shares(self, plan: KimiPlan) -> list[ShareManifest]:
         """Wait for every actor rank's share of this sync."""
-        owners = len(plan["owners"])
+        owners = len(plan.owners)
         shares: dict[int, ShareManifest] = {}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
@@ -295,7 +295,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
                 await self._abort_members(str(error))
                 raise error from exc
             share = message.share
-            if message.sync == plan["sync_id"] and 0 <= share.owner < owners:
+            if message.sync == plan.sync_id and 0 <= share.owner < owners:
                 shares[share.owner] = share
         return [shares[rank] for rank in range(owners)]
 
@@ -337,7 +337,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Pull every bucket (owners interleaved) into two alternating slots; relay each to
         the replica while yielding copies of its tensors to this worker's server."""
-        relay = self._inner if self._plan["inner"] is not None else None
+        relay = self._inner if self._plan.has_replica_group else None
         order = [  # owners interleaved: bucket 0 of every owner, then bucket 1, ...
             (share, *share.buckets[index])
             for index in range(max(len(share.buckets) for share in shares))
@@ -383,5 +383,5 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
 
     async def _abort_members(self, reason: str) -> None:
         """Tell this replica's other workers the sync is off (best effort)."""
-        if self._plan is not None and self._plan["inner"] is not None:
+        if self._plan is not None and self._plan.has_replica_group:
             await self._inner.relay_abort(f"the replica leader stopped: {reason}")
