@@ -62,8 +62,8 @@ def test_group_setup_is_the_shared_fail_fast_path():
     assert NCCLCheckpointEngine.init_process_group is (
         CollectiveBroadcastCheckpointEngine.init_process_group
     )
-    assert NCCLCheckpointEngine._new_data_group is not (
-        CollectiveBroadcastCheckpointEngine._new_data_group
+    assert NCCLCheckpointEngine.new_data_group is not (
+        CollectiveBroadcastCheckpointEngine.new_data_group
     )
 
 

@@ -34,7 +34,7 @@ class HCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
 
     device_type = "npu"
 
-    def _new_data_group(
+    def new_data_group(
         self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         return dist.ProcessGroupHCCL(

@@ -36,5 +36,5 @@ class MooncakeCheckpointEngine(RingCheckpointEngine):
         self.protocol = self.options.protocol
         self.device_name = self.options.device_name
 
-    def _create_transport(self) -> MooncakeTransport:
+    def create_transport(self) -> MooncakeTransport:
         return MooncakeTransport(self.host or default_host(), self.protocol, self.device_name)

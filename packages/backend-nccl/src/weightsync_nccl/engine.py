@@ -42,7 +42,7 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
 
     device_type = "cuda"
 
-    def _new_data_group(
+    def new_data_group(
         self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         options = dist.ProcessGroupNCCL.Options()

@@ -35,6 +35,6 @@ class NixlCheckpointEngine(RingCheckpointEngine):
         self.env = self.options.environment()
         self.num_threads = self.options.num_threads
 
-    def _create_transport(self) -> NixlTransport:
+    def create_transport(self) -> NixlTransport:
         return NixlTransport(self.plugin, self.plugin_params, self.env, self.num_threads,
                              self.host or default_host())

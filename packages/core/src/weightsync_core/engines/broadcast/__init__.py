@@ -1,11 +1,12 @@
 """Collective-broadcast engine: actor rank 0 broadcasts each bucket to all rollout workers.
 
 This is the shared pipeline of the ``gloo``, ``nccl`` and ``hccl`` backends. A subclass
-overrides only what its hardware needs:
+overrides only what its hardware needs, through these public override points:
 
-- :attr:`device_type` and :meth:`_allocate_bucket`: where buckets live;
-- :meth:`_new_data_group`: the communicator that moves bucket bytes;
-- :meth:`_synchronize_device`: stream handling before a bucket is sent or read.
+- :attr:`device_type`, :meth:`current_device` and :meth:`allocate_bucket`: where buckets
+  live;
+- :meth:`new_data_group`: the communicator that moves bucket bytes;
+- :meth:`synchronize_device`: stream handling before a bucket is sent or read.
 
 Modules: :mod:`.engine` (the engine), :mod:`.group` (port reservation, rendezvous, reuse),
 :mod:`.protocol` (the wire protocol) and :mod:`.relay` (the relay API kimi feeds).

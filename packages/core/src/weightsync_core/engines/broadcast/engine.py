@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from weightsync_core import devices
 from weightsync_core.base import CheckpointEngine, TransferStats
 from weightsync_core.blocking import retrieve_exception, run_blocking
 from weightsync_core.bucketing import (
@@ -24,7 +25,6 @@ from weightsync_core.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
-from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.engines.broadcast import protocol
 from weightsync_core.engines.broadcast.group import BroadcastGroup, GroupLifecycle
 from weightsync_core.engines.broadcast.protocol import (
@@ -96,31 +96,33 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         )
         self._healthy = True
         self._send_buffers: list[torch.Tensor] = []
-        self.device = self._current_device()
-        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+        self.device = self.current_device()
+        self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
 
-    # -- hooks for device backends -------------------------------------------------------
-    def _current_device(self) -> torch.device:
-        """The device this engine uses, fixed at construction (worker threads may have
-        another current device)."""
-        return resolve_device(self.device_type, type(self).__name__, "backend='gloo'")
+    # -- override points for device backends ---------------------------------------------
+    def current_device(self) -> torch.device:
+        """Override point: the device this engine uses (called once, at construction:
+        worker threads may have another current device). By default the device of
+        :attr:`device_type`."""
+        return devices.resolve_device(self.device_type, type(self).__name__, "backend='gloo'")
 
-    def _allocate_bucket(self) -> torch.Tensor:
-        """One bucket buffer on this engine's device."""
-        return allocate_bucket(self.bucket_size, self.device)
+    def allocate_bucket(self) -> torch.Tensor:
+        """Override point: one bucket buffer on this engine's device."""
+        return devices.allocate_bucket(self.bucket_size, self.device)
 
-    def _new_data_group(
+    def new_data_group(
         self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
-        """The communicator for bucket bytes; by default the gloo control group."""
+        """Override point: the communicator for bucket bytes, built on ``store`` (this
+        group's own) for ``rank`` of ``world_size``; by default the gloo ``control`` group
+        itself."""
         return control
 
-    def _synchronize_device(self) -> None:
-        """Block until the device's current stream is idle: copies into a bucket are done
-        before it is sent, and a collective is done before its bucket is reused or read.
-        No-op on host memory."""
-        synchronize_device(self.device)
-
+    def synchronize_device(self) -> None:
+        """Override point: block until the device's current stream is idle: copies into a
+        bucket are done before it is sent, and a collective is done before its bucket is
+        reused or read. No-op on host memory."""
+        devices.synchronize_device(self.device)
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -158,7 +160,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
             return
         self._lifecycle.build(
             rank, world_size, master_metadata, members, sealer, host=self._own_host(),
-            timeout=self.timeout, new_data_group=self._new_data_group,
+            timeout=self.timeout, new_data_group=self.new_data_group,
         )
         self._healthy = True
 
@@ -175,7 +177,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         completed = False
         try:
             if not self._send_buffers:
-                self._send_buffers = [self._allocate_bucket() for _ in range(2)]
+                self._send_buffers = [self.allocate_bucket() for _ in range(2)]
             packer = BucketPacker(
                 self._send_buffers, self.rollout_dtype,
                 self.bucket_checksum if self.verify else None, self.direct_min_bytes,
@@ -247,7 +249,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         """Drop the group, the receive buffers and the listening socket whatever their state
         (after a failed sync anywhere): transfers left over from it can touch nothing the
         next sync uses."""
-        self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+        self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
         self._lifecycle.close_listener()
         self._destroy_group()
         self._release_buffers()
@@ -264,7 +266,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
     def _release_buffers(self) -> None:
         if not self.keep_buffers:
             self._send_buffers = []
-            self._receive_buffers = ReceiveBuffers(self._allocate_bucket)
+            self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
 
     def _destroy_group(self) -> None:
         self._lifecycle.destroy()
@@ -291,7 +293,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         """Post every packed bucket, each waited for on a worker thread (``in_flight``:
         the waits, each with whether its bucket is direct); returns once all have left."""
         async for bucket in packer.pack(weights):
-            self._synchronize_device()
+            self.synchronize_device()
             works = self._post_message(group, BucketMessage(bucket.meta), bucket.data)
             waiter = asyncio.ensure_future(run_blocking(self._wait, group, works))
             in_flight.append((waiter, bucket.direct))
@@ -331,7 +333,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         for work, stage in works:
             try:
                 work.wait()
-                self._synchronize_device()
+                self.synchronize_device()
             except RuntimeError as exc:
                 peer = "the rollout workers" if self.rank == 0 else group.sender
                 raise TransferError(

@@ -47,7 +47,7 @@ class BroadcastRelay:
             raise WeightSyncError(f"{type(self).__name__}: this rank has no group to relay to")
         try:
             if data is not None:
-                self._synchronize_device()
+                self.synchronize_device()
             await run_blocking(self._wait, group, self._post_message(group, message, data))
         except BaseException:
             self._healthy = False

@@ -1,7 +1,8 @@
 """Ring engine: buckets travel actor rank 0 -> rollout worker 0 -> rollout worker 1 -> ...
 
 This is the shared pipeline of the ``nixl`` and ``mooncake`` backends; a subclass only
-supplies its :class:`~weightsync_core.transport.PeerTransport`.
+supplies its :class:`~weightsync_core.transport.PeerTransport` (override point:
+:meth:`RingCheckpointEngine.create_transport`).
 
 Each hop writes a bucket one-sidedly into a free slot of the next hop's registered buffers,
 then says so on the control channel (:class:`~weightsync_core.channel.ControlChannel`). A

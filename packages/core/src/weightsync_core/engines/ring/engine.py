@@ -65,18 +65,20 @@ class RingCheckpointEngine(CheckpointEngine):
         self.slots = options.slots
         self.keep_buffers = options.keep_buffers
         self.rebuild_group = options.rebuild_group
-        self._endpoints = PeerEndpoints(host, self._create_transport, RingMessage)
+        self._endpoints = PeerEndpoints(host, self.create_transport, RingMessage)
         self._placement: Placement | None = None
         self.local_slots = RegisteredSlots(
             lambda: allocate_bucket(self.bucket_size, self.device), lambda: self.transport
         )
+        """This process's registered bucket buffers (the sender's two, a worker's slots)."""
         self._peers: dict[str, Hashable] = {}
         self._session: RingSession | None = None
 
-    # -- hook for transports -------------------------------------------------------------
+    # -- override point for transports ---------------------------------------------------
     @abstractmethod
-    def _create_transport(self) -> PeerTransport:
-        """This process's transport endpoint (created once, at the first sync)."""
+    def create_transport(self) -> PeerTransport:
+        """Override point: this process's transport endpoint (called once, at the first
+        sync; a backend returns its :class:`PeerTransport`)."""
 
     # -- shared state --------------------------------------------------------------------
     @property
