@@ -23,13 +23,14 @@ def test_importing_the_package_registers_every_installed_backend_in_verl():
 def test_verl_config_becomes_weightsyncs():
     config = CheckpointEngineConfig(
         backend="weightsync_nixl", update_weights_bucket_megabytes=64,
-        engine_kwargs={"weightsync_nixl": {"timeout": 42, "verify": True}},
+        engine_kwargs={"weightsync_nixl": {"timeout": 42, "verify": False, "plugin": "UCX"}},
         custom_backend_module="weightsync_verl",
     )
     converted = weightsync_config(config)
     assert converted.backend == "nixl" and converted.update_weights_bucket_megabytes == 64
-    assert converted.engine_kwargs == {"nixl": {"timeout": 42, "verify": True}}
-    assert converted.sync_timeout_seconds == 42
+    # timeout, verify and rollout_dtype are settings of weightsync's config, not engine options
+    assert converted.engine_kwargs == {"nixl": {"plugin": "UCX"}}
+    assert converted.sync_timeout_seconds == 42 and converted.verify is False
     assert converted.custom_backend_module is None  # it registers into verl, not weightsync
 
 
