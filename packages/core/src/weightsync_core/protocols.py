@@ -46,7 +46,8 @@ class RolloutReplica(Protocol):
     A sync calls, on every replica: ``abort_all_requests``, ``release_kv_cache``, then (after
     the transfer) ``resume_kv_cache`` and ``resume_generation``. verl's replicas fit as they
     are; ``sleep()`` and ``wake_up()`` are optional (for the manager's ``sleep_replicas`` and
-    ``wake_up_replicas``)."""
+    ``wake_up_replicas``). An optional ``worker_group_class`` attribute names the class of
+    the rollout side's worker group (default: the manager's ``default_rollout_group_class``)."""
 
     @property
     def workers(self) -> Sequence[Any]:
