@@ -27,13 +27,7 @@ class SyncHarness(Deployment):
     rollout workers record a digest of every received tensor (:meth:`reports`; their
     ``set_faults`` makes them die, stall or go slow).
 
-    Args:
-        config: checkpoint-engine config used by every worker.
-        actor_world_size: number of ``actor_wg`` ranks.
-        replica_sizes: workers per rollout replica; ignored for colocated backends.
-        actor_options: extra ``ray.remote`` options of every actor, e.g. ``{"num_gpus": 1}``.
-        placement: which host each actor rank and replica goes to (default: wherever Ray
-            puts them).
+    Its arguments are :class:`~weightsync_core.deployment.Deployment`'s.
     """
 
     source_class = WeightSourceActor
