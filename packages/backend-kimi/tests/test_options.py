@@ -27,3 +27,17 @@ def test_bad_options_fail_when_the_config_is_built(kwargs, message):
 
 def test_documented_options_are_options():
     assert len(check_documented_options(README, "kimi")) == 2
+
+
+def test_a_collective_unknown_everywhere_is_refused_with_the_close_name():
+    with pytest.raises(EngineOptionsError) as raised:
+        CheckpointEngineConfig(backend="kimi", engine_kwargs={"kimi": {"collective": "ncll"}})
+    assert "unknown checkpoint-engine backend 'ncll'. Did you mean 'nccl'?" in str(raised.value)
+
+
+def test_a_collective_this_process_cannot_load_is_left_to_the_kimi_engine():
+    # hccl is known everywhere but loads nowhere here (no torch_npu, or weightsync-hccl is not
+    # installed): the driver cannot check its options, the engine fails where it runs.
+    config = CheckpointEngineConfig(
+        backend="kimi", engine_kwargs={"kimi": {"collective": "hccl", "collective_kwargs": {}}})
+    assert config.active_engine_kwargs["collective"] == "hccl"

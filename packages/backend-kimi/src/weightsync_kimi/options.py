@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync_core.spi import (
+    BackendLoadError,
+    BackendNotInstalledError,
     CheckpointEngineRegistry,
     CollectiveBroadcastCheckpointEngine,
     EngineOptionsError,
@@ -26,7 +28,8 @@ class KimiOptions(TransferEngineOptions):
             ``127.0.0.1``).
         collective: the broadcast backend inside a replica: ``"gloo"`` (host memory),
             ``"nccl"`` or ``"hccl"`` (installed separately).
-        collective_kwargs: its options (checked against that backend's own options).
+        collective_kwargs: its options (checked against that backend's own options where
+            that backend is installed; elsewhere by the kimi engine where it runs).
         keep_buffers: keep the leader's pull buffers between syncs.
         rebuild_group: verl's name for starting every sync afresh: the collective builds
             a new group each sync and the pull buffers are not kept.
@@ -40,7 +43,13 @@ class KimiOptions(TransferEngineOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        inner = self.collective_class()
+        try:
+            inner = self.collective_class()
+        except (BackendNotInstalledError, BackendLoadError):
+            # A known backend that this process cannot load (a driver without
+            # weightsync-nccl, say): the kimi engine loads it where it runs and says there
+            # what is missing. A name no one knows is still refused here.
+            return
         if not issubclass(inner, CollectiveBroadcastCheckpointEngine):
             raise ValueError(
                 "option 'collective' must name a broadcast backend (gloo, nccl, hccl), got "

@@ -43,6 +43,8 @@ from weightsync_core.engines import (
     RingOptions,
 )
 from weightsync_core.errors import (
+    BackendLoadError,
+    BackendNotInstalledError,
     EmptyWeightsError,
     EngineOptionsError,
     SenderAbortedError,
@@ -57,6 +59,8 @@ from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buff
 from weightsync_core.verification import DeliveryVerifier, ManifestEntry
 
 __all__ = [
+    "BackendLoadError",
+    "BackendNotInstalledError",
     "BucketMeta",
     "BucketPacker",
     "BucketUnpacker",
