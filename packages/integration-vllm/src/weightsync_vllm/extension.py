@@ -1,0 +1,30 @@
+"""The vLLM worker extension through which a rollout replica drives the weightsync engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["WeightsyncWorkerExtension"]
+
+
+class WeightsyncWorkerExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): ``collective_rpc
+    ("weightsync_call", args=(method, kwargs))`` runs a weightsync engine method in each
+    worker and returns its result (vLLM's weight-transfer calls return nothing, and a sync's
+    stages need ``prepare``'s metadata)."""
+
+    def weightsync_call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """Run ``method`` on this worker's weightsync weight-transfer engine."""
+        from weightsync_vllm.transfer_engine import WeightsyncTransferEngine
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, WeightsyncTransferEngine):
+            raise RuntimeError(
+                "this vLLM engine's weight transfer is not weightsync's; build it with "
+                "weight_transfer_config=WeightTransferConfig(backend='weightsync')"
+            )
+        return engine.call(method, kwargs)
+
+    def weightsync_last_stats(self) -> dict[str, float]:
+        """What the last update moved (tensors, bytes, seconds)."""
+        return dict(self.weight_transfer_engine.last_stats)

@@ -1,0 +1,80 @@
+"""An ``actor_wg`` rank that holds a Hugging Face model's weights: the sending side of syncs
+into vLLM replicas in tests, benchmarks and examples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
+
+__all__ = ["ModelWeightsSource", "perturb_", "save_qwen2"]
+
+
+def save_qwen2(
+    directory: str, *, hidden_size: int = 64, num_hidden_layers: int = 2,
+    intermediate_size: int | None = None, vocab_size: int = 8192, num_attention_heads: int = 2,
+    seed: int = 0,
+) -> str:
+    """Save a randomly initialised Qwen2 causal LM (float32 safetensors and its config; no
+    download) into ``directory``, which vLLM and Hugging Face can then load; one key-value
+    head. vLLM's CPU attention needs a head size (``hidden_size // num_attention_heads``) of
+    32 or more."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.5) -> None:
+    """Add seeded Gaussian noise (``scale`` times each tensor's standard deviation) to every
+    floating-point parameter of ``model``, in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.add_(noise * scale * parameter.float().std().clamp_min(1e-3))
+
+
+class ModelWeightsSource(ActorCheckpointEngineMixin):
+    """Holds the model saved in ``model_path`` (float32) and sends its parameters; use as a
+    Ray actor. :meth:`perturb` changes them the way :func:`perturb_` does."""
+
+    def __init__(self, config: CheckpointEngineConfig, model_path: str) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32
+        )
+        self.init_checkpoint_engine(config)
+
+    def perturb(self, seed: int, scale: float = 0.5) -> None:
+        """Perturb the held weights (see :func:`perturb_`)."""
+        perturb_(self.model, seed, scale)
+
+    def weights_bytes(self) -> int:
+        """Bytes of the held weights."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def save_safetensors(self, directory: str) -> str:
+        """Write the held weights into ``directory`` as one safetensors file (what a trainer
+        does to hand weights over through a disk); returns the file's path."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        path = Path(directory) / "model.safetensors"
+        save_file({name: tensor.contiguous() for name, tensor in self.iter_weights()}, path)
+        return str(path)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every parameter, in the model's order."""
+        yield from ((name, p.detach()) for name, p in self.model.named_parameters())

