@@ -164,6 +164,13 @@ def test_unknown_rollout_name_without_subclass_is_a_clear_error():
         LLMServerManager(config)
 
 
+def test_vllm_rollout_without_weightsync_vllm_names_the_package_to_install():
+    # the trainer's own environment has no weightsync-vllm
+    config = load_config(overrides=["rollout.name=vllm"])
+    with pytest.raises(ValueError, match=r"rollout\.name='vllm' needs .*weightsync-vllm\[cpu"):
+        LLMServerManager(config)
+
+
 def test_client_subclass_routes_itself_without_a_balancer(hooked):
     trainer, _, _ = hooked
     replicas = trainer.server_manager.replicas

@@ -169,7 +169,7 @@ class RolloutConfig:
 
     Attributes:
         name: rollout server implementation, looked up in
-            :data:`weightsync_trainer.llm_server.ROLLOUT_REPLICA_CLASSES` (``hf``).
+            :data:`weightsync_trainer.llm_server.ROLLOUT_REPLICA_CLASSES` (``hf``, ``vllm``).
         num_replicas: inference server instances (disaggregated mode; in colocated mode
             every actor rank serves one replica).
         workers_per_replica: rollout worker processes per replica, each with a full model

