@@ -12,10 +12,10 @@ import ray
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.testing import SyncHarness
 
-SYNCS = 50
+SYNCS = 30  # catches a one-in-fifteen failure with 87% probability (50: 97%, twice the time)
 
 
-def test_fifty_consecutive_syncs_of_the_2x3x2_ring_all_succeed_and_leak_nothing():
+def test_thirty_consecutive_syncs_of_the_2x3x2_ring_all_succeed_and_leak_nothing():
     config = CheckpointEngineConfig(
         backend="nixl", update_weights_bucket_megabytes=1, sync_timeout_seconds=60,
         engine_kwargs={"nixl": {"device": "cpu", "ucx_transports": "tcp"}},
