@@ -5,6 +5,7 @@ one run, alternating."""
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -35,12 +36,12 @@ _MIB = 1 << 20
 
 
 def model_shape(size_mb: int) -> dict[str, int]:
-    """Qwen2 dimensions (hidden 1024, 16 heads, vocab 16384) with enough layers for about
-    ``size_mb`` MiB of float32 weights (at least two layers)."""
+    """Qwen2 dimensions (hidden 1024, 16 heads, vocab 16384) with enough layers for at least
+    ``size_mb`` MiB of float32 weights (and at least two layers)."""
     hidden, vocab, intermediate = 1024, 16384, 2816
     embeddings = 2 * vocab * hidden * 4
     per_layer = (2 * hidden * hidden + 2 * hidden * 64 + 3 * hidden * intermediate) * 4
-    layers = max(2, round((size_mb * _MIB - embeddings) / per_layer))
+    layers = max(2, math.ceil((size_mb * _MIB - embeddings) / per_layer))
     return {"hidden_size": hidden, "vocab_size": vocab, "intermediate_size": intermediate,
             "num_hidden_layers": layers, "num_attention_heads": 16}
 
@@ -120,8 +121,10 @@ def report(figures: Mapping[str, float]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", nargs="+", default=["gloo", "nixl"],
-                        help="weightsync backends to time (default: gloo nixl)")
+    parser.add_argument("--backend", nargs="+", default=["gloo"],
+                        help="weightsync backends to time (default: gloo); each switch "
+                             "rebuilds the replica's engine, so time one per run for "
+                             "figures without set-up")
     parser.add_argument("--size-mb", type=int, default=256,
                         help="model size in MiB (float32; default 256)")
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB")
