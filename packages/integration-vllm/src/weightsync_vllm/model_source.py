@@ -4,8 +4,10 @@ into vLLM replicas in tests, benchmarks and examples."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
 
@@ -67,10 +69,6 @@ class ModelWeightsSource(ActorCheckpointEngineMixin):
     def save_safetensors(self, directory: str) -> str:
         """Write the held weights into ``directory`` as one safetensors file (what a trainer
         does to hand weights over through a disk); returns the file's path."""
-        from pathlib import Path
-
-        from safetensors.torch import save_file
-
         path = Path(directory) / "model.safetensors"
         save_file({name: tensor.contiguous() for name, tensor in self.iter_weights()}, path)
         return str(path)

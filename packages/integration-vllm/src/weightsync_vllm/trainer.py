@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import tempfile
 from typing import Any
@@ -25,14 +26,22 @@ CPU_KV_CACHE_GIB = "1"
 large share of the machine's memory per engine)."""
 
 
+_saved_models: dict[tuple[Any, ...], str] = {}
+"""Directories already written by :func:`save_initial_model`, by model config."""
+
+
 def save_initial_model(config: ModelConfig) -> str:
     """A directory vLLM can load holding the trainer's initial policy (``model.path`` itself
-    when set; else the random initialisation from ``model.seed``, saved as safetensors)."""
+    when set; else the random initialisation from ``model.seed``, saved as safetensors once
+    per model config, however many replicas start on it)."""
     if config.path is not None:
         return config.path
-    directory = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
-    build_policy_model(config).save_pretrained(directory)
-    return directory
+    key = dataclasses.astuple(config)
+    if key not in _saved_models:
+        directory = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
+        build_policy_model(config).save_pretrained(directory)
+        _saved_models[key] = directory
+    return _saved_models[key]
 
 
 class VLLMRolloutReplica(HFRolloutReplica):

@@ -123,9 +123,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[CheckpointEngineConfig, Weig
 
     def call(self, method: str, kwargs: dict[str, Any]) -> Any:
         """Run one weightsync engine method (``prepare``, ``init_process_group``,
-        ``finalize``, ``address``, ...) or ``weights_status``, bounded by the sync timeout."""
-        if method == "weights_status":
-            return self.worker.weights_status()
+        ``finalize``, ``address``, ...), bounded by the sync timeout."""
         function = getattr(self.worker.checkpoint_engine, method, None)
         if function is not None:
             kwargs = typed_arguments(function, kwargs)
