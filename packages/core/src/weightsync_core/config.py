@@ -5,25 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import BackendNotFoundError, PluginError
 
 __all__ = ["CheckpointEngineConfig", "parse_dtype"]
-
-
-def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    """Turn ``"bfloat16"`` / ``"torch.bfloat16"`` / a ``torch.dtype`` into a ``torch.dtype``."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    name = str(value).removeprefix("torch.")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(
-            f"rollout_dtype {value!r} is not a torch dtype; use a name such as "
-            "'bfloat16', 'float16' or 'float32'"
-        )
-    return dtype
 
 
 @dataclass

@@ -10,20 +10,15 @@ is accepted. Each engine then reads its options from ``self.options``.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import inspect
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar
 
+from weightsync_core.conversion import ConversionError, convert
 from weightsync_core.errors import EngineOptionsError
 
-if TYPE_CHECKING:
-    from weightsync_core.base import CheckpointEngine
-
-__all__ = ["CONFIG_SETTINGS", "EngineOptions", "check_engine_kwargs", "parse_options"]
+__all__ = ["CONFIG_SETTINGS", "EngineOptions", "parse_options", "unknown_option"]
 
 OptionsT = TypeVar("OptionsT", bound="EngineOptions")
 
@@ -58,107 +53,35 @@ class EngineOptions:
 
 def parse_options(options_class: type[OptionsT], backend: str, given: Mapping[str, Any]
                   ) -> OptionsT:
-    """Check ``given`` against ``options_class`` and build it.
+    """Check ``given`` against ``options_class`` and build it (with
+    :func:`weightsync_core.conversion.convert`, the workspace's one typed converter).
 
     Raises:
         EngineOptionsError: an unknown option (with "did you mean"), a value whose type the
             field does not accept, or a value the options' own checks refuse.
     """
-    fields = {item.name: item for item in dataclasses.fields(options_class)}
-    hints = get_type_hints(options_class)
-    for name, value in given.items():
-        if name not in fields:
-            raise EngineOptionsError(_unknown(backend, name, value, sorted(fields)))
-        if not _accepts(hints[name], value):
-            raise EngineOptionsError(
-                f"backend {backend!r}: option {name!r} must be {_describe(hints[name])}, got "
-                f"{value!r} ({type(value).__name__}); fix engine_kwargs[{backend!r}][{name!r}]"
-            )
     try:
-        return options_class(**given)
-    except (ValueError, TypeError) as exc:
-        raise EngineOptionsError(f"backend {backend!r}: {exc}") from exc
-
-
-def check_engine_kwargs(backend: str, engine_cls: type[CheckpointEngine],
-                        given: Mapping[str, Any]) -> None:
-    """Check one backend's ``engine_kwargs`` on the driver, before any process starts.
-
-    An engine with typed options is checked field by field (:func:`parse_options`). An engine
-    written for verl, which has its own constructor and no ``options_class`` of its own, is
-    checked by its constructor's keyword names.
-    """
-    for name in given:
-        if name in CONFIG_SETTINGS:
-            raise EngineOptionsError(
-                f"backend {backend!r}: {name!r} is a setting of the whole config, not an engine "
-                f"option; set CheckpointEngineConfig.{CONFIG_SETTINGS[name]} instead of "
+        return convert(dict(given), options_class)
+    except ConversionError as exc:
+        name = exc.path[0] if exc.path else ""
+        if exc.kind == "unknown":
+            message = unknown_option(backend, name, exc.value, list(exc.choices))
+        elif exc.kind == "type":
+            message = (
+                f"backend {backend!r}: option {name!r} must be {exc.expected}, got "
+                f"{exc.value!r} ({type(exc.value).__name__}); fix "
                 f"engine_kwargs[{backend!r}][{name!r}]"
             )
-    if engine_cls.declares_options():
-        parse_options(engine_cls.options_class, backend, given)
-        return
-    parameters = inspect.signature(engine_cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    accepted = sorted(name for name in parameters if name not in CONFIG_SETTINGS)
-    for name, value in given.items():
-        if name not in parameters:
-            raise EngineOptionsError(_unknown(backend, name, value, accepted))
+        else:
+            message = f"backend {backend!r}: {exc.reason}"
+        raise EngineOptionsError(message) from None
 
 
-def _unknown(backend: str, name: str, value: Any, accepted: list[str]) -> str:
+def unknown_option(backend: str, name: str, value: Any, accepted: list[str]) -> str:
+    """The error message for an option ``backend`` does not have, with the closest name."""
     close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return (
         f"backend {backend!r} has no option {name!r} (given {value!r}).{hint} Its options: "
         f"{', '.join(accepted) or 'none'}."
     )
-
-
-def _accepts(hint: Any, value: Any) -> bool:
-    """Whether ``value`` is of the type ``hint`` names (strictly: no ``"false"`` for a
-    ``bool``, no ``True`` for an ``int``; an ``int`` is a fine ``float``)."""
-    origin = get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_accepts(arm, value) for arm in get_args(hint))
-    if origin is Literal:
-        return value in get_args(hint)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
-        key, item = get_args(hint) or (Any, Any)
-        return isinstance(value, Mapping) and all(
-            _accepts(key, k) and _accepts(item, v) for k, v in value.items())
-    if origin is not None and isinstance(origin, type) and issubclass(origin, Sequence):
-        (item, *_) = get_args(hint) or (Any,)
-        return (isinstance(value, Sequence) and not isinstance(value, str)
-                and all(_accepts(item, v) for v in value))
-    return isinstance(value, hint) if isinstance(hint, type) else True
-
-
-def _describe(hint: Any) -> str:
-    """``hint`` in words, for error messages."""
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(arm) for arm in get_args(hint))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(choice) for choice in get_args(hint))
-    words = {bool: "True or False", int: "an integer", float: "a number", str: "a string",
-             type(None): "None"}
-    if hint in words:
-        return words[hint]
-    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):
-        key, item = get_args(hint) or (Any, Any)
-        return f"a mapping of {_describe(key)} to {_describe(item)}"
-    if origin is not None and isinstance(origin, type) and issubclass(origin, Sequence):
-        return f"a list of {_describe((get_args(hint) or (Any,))[0])}"
-    return "anything" if hint is Any else getattr(hint, "__name__", str(hint))
