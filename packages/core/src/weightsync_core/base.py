@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import time
 from abc import ABC, abstractmethod
@@ -14,9 +15,14 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync_core.bucketing import WeightsSource
-from weightsync_core.config import parse_dtype
-from weightsync_core.errors import WeightSyncError
-from weightsync_core.options import EngineOptions, check_engine_kwargs, parse_options
+from weightsync_core.dtypes import parse_dtype
+from weightsync_core.errors import EngineOptionsError, WeightSyncError
+from weightsync_core.options import (
+    CONFIG_SETTINGS,
+    EngineOptions,
+    parse_options,
+    unknown_option,
+)
 from weightsync_core.process_group import default_host
 from weightsync_core.verification import bucket_checksum
 from weightsync_core.wire import check_session_key
@@ -150,10 +156,32 @@ class CheckpointEngine(ABC):
         """Check ``given`` (this engine's ``engine_kwargs``) on the driver, before any process
         starts; ``backend`` is the name the error gives (default: the class name).
 
+        An engine with typed options is checked field by field
+        (:func:`~weightsync_core.options.parse_options`). An engine written for verl, which
+        has its own constructor and no ``options_class`` of its own, is checked by its
+        constructor's keyword names.
+
         Raises:
             EngineOptionsError: naming the option, the value given and what is accepted.
         """
-        check_engine_kwargs(backend or cls.__name__, cls, given)
+        backend = backend or cls.__name__
+        for name in given:
+            if name in CONFIG_SETTINGS:
+                raise EngineOptionsError(
+                    f"backend {backend!r}: {name!r} is a setting of the whole config, not an "
+                    f"engine option; set CheckpointEngineConfig.{CONFIG_SETTINGS[name]} instead "
+                    f"of engine_kwargs[{backend!r}][{name!r}]"
+                )
+        if cls.declares_options():
+            parse_options(cls.options_class, backend, given)
+            return
+        parameters = inspect.signature(cls).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return
+        accepted = sorted(name for name in parameters if name not in CONFIG_SETTINGS)
+        for name, value in given.items():
+            if name not in parameters:
+                raise EngineOptionsError(unknown_option(backend, name, value, accepted))
 
     @classmethod
     def declares_options(cls) -> bool:
