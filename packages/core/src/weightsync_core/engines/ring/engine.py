@@ -13,19 +13,17 @@ from typing import Any
 import torch
 
 from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import BucketMeta, BucketPacker, WeightsSource, iter_named_tensors
+from weightsync_core.bucketing import BucketPacker, WeightsSource, iter_named_tensors
 from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.engines.options import RingOptions
-from weightsync_core.engines.ring.messages import Abort, BucketReady, Final, RingMessage
+from weightsync_core.engines.ring.messages import Abort, Final, RingMessage
 from weightsync_core.engines.ring.receive import RingReceiver
-from weightsync_core.engines.ring.session import Placement, RingSession
+from weightsync_core.engines.ring.session import Placement, RingLink, RingSession
 from weightsync_core.engines.ring.slots import RegisteredSlots
 from weightsync_core.errors import (
     EmptyWeightsError,
     SenderAbortedError,
-    TransferError,
     WeightSyncError,
 )
 from weightsync_core.topology import ring_topology
@@ -102,10 +100,6 @@ class RingCheckpointEngine(CheckpointEngine):
         )
         return f"{type(self).__name__} on {where}"
 
-    def connect_peer(self, metadata: Any) -> Hashable:
-        """Connect to a neighbour through the transport (blocking)."""
-        return self.transport.connect(metadata)
-
     # -- CheckpointEngine ----------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         return {"endpoint": self.channel.endpoint}
@@ -162,6 +156,7 @@ class RingCheckpointEngine(CheckpointEngine):
             await self._notify_abort(session, exc)
             raise
         finally:
+            self._keep_downstream_peer(session)
             await session.close()
         return TransferStats(
             packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
@@ -175,7 +170,7 @@ class RingCheckpointEngine(CheckpointEngine):
         moved past its tensors; if the consumer still holds a view then, the slot gets a new
         buffer instead, so kept tensors are never overwritten."""
         session = self._open_session(self._require_placement(sender=False))
-        receiver = RingReceiver(self, session)
+        receiver = RingReceiver(session, self.bucket_checksum, self.verify)
         try:
             await receiver.greet()
             while not isinstance(message := await receiver.next_message(), Final):
@@ -187,6 +182,7 @@ class RingCheckpointEngine(CheckpointEngine):
             await self._notify_abort(session, exc)
             raise
         finally:
+            self._keep_downstream_peer(session)
             await session.close()
 
     def finalize(self) -> None:
@@ -215,49 +211,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self.abort()
         self._endpoints.close()
 
-    # -- forwarding ----------------------------------------------------------------------
-    async def forward_bucket(
-        self, session: RingSession, data: torch.Tensor, meta: BucketMeta,
-        previous: asyncio.Task | None = None,
-    ) -> None:
-        """Write one bucket into a free downstream slot, then announce it (after the
-        previous bucket's announcement, so they arrive in order)."""
-        placement = session.placement
-        downstream, slot = await session.take_slot(meta.index)
-        self._peers[placement.downstream] = downstream.peer
-        stage = f"writing bucket {meta.index}"
-        target = downstream.slots[slot]
-        if meta.nbytes > target.nbytes:
-            raise TransferError(
-                f"{self.describe(placement)} has a {meta.nbytes}-byte bucket but "
-                f"{placement.downstream_name} has {target.nbytes}-byte slots; use the same "
-                "update_weights_bucket_megabytes on both sides",
-                peer=placement.downstream_name, stage=stage,
-            )
-        async with downstream.gate.writing():
-            await self._write(session, downstream.peer, data, target.at(0, meta.nbytes), stage)
-        if previous is not None:
-            await previous
-        await session.send_downstream(BucketReady(placement.sync_id, slot, meta))
-
-    async def _write(
-        self, session: RingSession, peer: Hashable, data: torch.Tensor, target, stage: str
-    ) -> None:
-        """One bounded one-sided write to the downstream neighbour; failures name it."""
-        name = session.placement.downstream_name
-        try:
-            await session.wait(
-                run_blocking(self.transport.write, peer, data, target, self.timeout),
-                timeout=self.timeout + 5, on_timeout=stage, peer=name,
-            )
-        except TransferError as exc:
-            if exc.peer:  # already names the peer (a timeout of this wait)
-                raise
-            raise TransferError(
-                f"{self.describe(session.placement)}: {stage} to {name} failed: {exc}",
-                peer=name, stage=stage, code=exc.code,
-            ) from exc
-
+    # -- the sender's pipeline ------------------------------------------------------------
     async def _send_buckets(
         self, session: RingSession, packer: BucketPacker, weights: WeightsSource
     ) -> None:
@@ -269,7 +223,7 @@ class RingCheckpointEngine(CheckpointEngine):
             # have left it by then
             if previous is not None:
                 await previous  # its own waits are bounded
-            previous = session.spawn(self.forward_bucket(session, bucket.data, bucket.meta))
+            previous = session.spawn(session.forward_bucket(bucket.data, bucket.meta))
         if previous is not None:
             await previous
 
@@ -278,8 +232,17 @@ class RingCheckpointEngine(CheckpointEngine):
         """This sync's session; one an earlier sync left running is superseded first."""
         if self._session is not None:
             self._session.supersede()
-        self._session = RingSession(self, placement)
+        link = RingLink(self.channel, self.transport, self.local_slots, self.device,
+                        self.timeout, self.progress, self.describe(placement))
+        self._session = RingSession(link, placement)
         return self._session
+
+    def _keep_downstream_peer(self, session: RingSession) -> None:
+        """Remember the connection a sync made to its downstream neighbour (kept for the
+        next sync, or disconnected by :meth:`finalize` / :meth:`abort`)."""
+        peer = session.downstream_peer
+        if peer is not None and session.placement.downstream is not None:
+            self._peers[session.placement.downstream] = peer
 
     def _require_placement(self, *, sender: bool) -> Placement:
         placement = self._placement

@@ -5,8 +5,7 @@ each slot back once the consumer has moved past it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -19,22 +18,27 @@ from weightsync_core.engines.ring.slots import HeldSlots
 from weightsync_core.errors import SenderAbortedError, TransferError
 from weightsync_core.verification import DeliveryVerifier
 
-if TYPE_CHECKING:
-    from weightsync_core.engines.ring.engine import RingCheckpointEngine
-
 __all__ = ["RingReceiver"]
 
 
 class RingReceiver:
     """The receiving steps of one sync on a rollout worker (see
-    :meth:`RingCheckpointEngine.receive_weights`)."""
+    :meth:`RingCheckpointEngine.receive_weights`).
 
-    def __init__(self, engine: RingCheckpointEngine, session: RingSession) -> None:
-        self.engine = engine
+    Args:
+        session: this sync's session (its link holds the slots, transport and bounds).
+        checksum: the sync's bucket checksum, as the sender computed it.
+        verify: check each bucket's checksum and the delivery against the manifest.
+    """
+
+    def __init__(self, session: RingSession, checksum: Callable[[torch.Tensor], int],
+                 verify: bool) -> None:
         self.session = session
+        self.link = session.link
         self.placement = session.placement
+        self.verify = verify
         self.unpacker = BucketUnpacker(copy=False)
-        self.verifier = DeliveryVerifier(engine.bucket_checksum)
+        self.verifier = DeliveryVerifier(checksum)
         self.forward: asyncio.Task | None = None
         self.held = HeldSlots(self._release)
         self.expected = 0
@@ -42,13 +46,11 @@ class RingReceiver:
     async def greet(self) -> None:
         """Renew the slots a server still views from the last sync, then announce the
         slots to the upstream neighbour."""
-        slots = self.engine.local_slots
+        slots = self.link.slots
         for index in range(len(slots)):
             if not slots.reusable(index):
                 await run_blocking(slots.replace, index)
-        hello = Hello(
-            self.placement.sync_id, self.engine.transport.metadata(), slots.descriptors
-        )
+        hello = Hello(self.placement.sync_id, self.link.transport.metadata(), slots.descriptors)
         await self.session.send(self.placement.upstream, self.placement.upstream_name, hello)
 
     async def next_message(self) -> BucketReady | Final:
@@ -58,12 +60,12 @@ class RingReceiver:
         slots the upstream always has one to write the next bucket into."""
         upstream = self.placement.upstream_name
         message = await self.session.wait(
-            self.session.from_upstream.get(), timeout=self.engine.timeout,
+            self.session.from_upstream.get(), timeout=self.link.timeout,
             on_timeout=f"waiting for bucket {self.expected}", peer=upstream,
         )
         if isinstance(message, Abort):
             raise SenderAbortedError(
-                f"{upstream} aborted the sync, so {self.engine.describe(self.placement)} "
+                f"{upstream} aborted the sync, so {self.link.where} "
                 f"stops: {message.reason}"
             )
         return message
@@ -80,13 +82,13 @@ class RingReceiver:
         meta, slot = message.meta, message.slot
         self._check_announcement(meta, slot)
         self.expected += 1
-        data = self.engine.local_slots[slot][: meta.nbytes]
-        synchronize_device(self.engine.device)
+        data = self.link.slots[slot][: meta.nbytes]
+        synchronize_device(self.link.device)
         if self.placement.downstream is not None:
             self.forward = self.session.spawn(
-                self.engine.forward_bucket(self.session, data, meta, self.forward)
+                self.session.forward_bucket(data, meta, self.forward)
             )
-        if self.engine.verify:
+        if self.verify:
             # on a worker thread: the loop keeps forwarding and crediting meanwhile
             await run_blocking(
                 self.verifier.check_bucket, data, meta, source=self.placement.upstream_name
@@ -120,19 +122,19 @@ class RingReceiver:
         consumer still views its buffer, announce a fresh buffer for it instead."""
         if forward is not None:
             await forward
-        placement, slots = self.placement, self.engine.local_slots
+        placement, slots = self.placement, self.link.slots
         credit = Credit(placement.sync_id, slot)
         if not slots.reusable(slot):
             buffer = await run_blocking(slots.replace, slot)
-            credit = Credit(placement.sync_id, slot, buffer, self.engine.transport.metadata())
+            credit = Credit(placement.sync_id, slot, buffer, self.link.transport.metadata())
         await self.session.send(placement.upstream, placement.upstream_name, credit)
 
     def _check_announcement(self, meta: BucketMeta, slot: int) -> None:
         """Refuse a bucket announcement that is out of order or does not fit its slot."""
         upstream, expected = self.placement.upstream_name, self.expected
-        where = self.engine.describe(self.placement)
+        where = self.link.where
         stage = f"bucket {expected}"
-        slots = self.engine.local_slots
+        slots = self.link.slots
         if meta.index != expected or not 0 <= slot < len(slots):
             raise TransferError(
                 f"{where} expected bucket {expected} but {upstream} announced bucket "

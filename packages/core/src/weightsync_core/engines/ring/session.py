@@ -1,14 +1,21 @@
-"""One ring sync's control traffic in one process: where the process sits in the ring, the
-inbox reader that routes messages, bounded waits that fail fast, and the connection to the
-downstream neighbour."""
+"""One ring sync in one process: where the process sits in the ring (:class:`Placement`), what
+the process lends the sync (:class:`RingLink`), the inbox reader that routes messages, bounded
+waits that fail fast, and the connection to the downstream neighbour and the writes into its
+slots."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from weightsync_core.base import SyncProgress
 from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import BucketMeta
+from weightsync_core.channel import ControlChannel
 from weightsync_core.engines.ring.messages import (
     Abort,
     BucketReady,
@@ -17,13 +24,11 @@ from weightsync_core.engines.ring.messages import (
     Hello,
     RingMessage,
 )
-from weightsync_core.engines.ring.slots import Downstream
+from weightsync_core.engines.ring.slots import Downstream, RegisteredSlots
 from weightsync_core.errors import TransferError
+from weightsync_core.transport import PeerTransport, RemoteBuffer
 
-if TYPE_CHECKING:
-    from weightsync_core.engines.ring.engine import RingCheckpointEngine
-
-__all__ = ["Placement", "RingSession"]
+__all__ = ["Placement", "RingLink", "RingSession"]
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,36 @@ class Placement:
     downstream_name: str | None
 
 
-class RingSession:
-    """One sync's control traffic in this process: routes inbox messages to the main loop
-    (from upstream) or to the slot credits (from downstream), and fails fast when any
-    background task of the sync fails."""
+@dataclass(frozen=True)
+class RingLink:
+    """What this process lends one ring sync (the engine builds it when the sync starts).
 
-    def __init__(self, engine: RingCheckpointEngine, placement: Placement) -> None:
-        self.engine = engine
+    Attributes:
+        channel: the process's control channel, keyed with this sync's session key.
+        transport: the process's transport endpoint (one-sided writes, connections).
+        slots: the process's registered bucket buffers.
+        device: where the buckets live.
+        timeout: the bound of every single wait, in seconds.
+        progress: where waits are reported while they last.
+        where: the process in error messages (``"NixlCheckpointEngine on rollout rank 1"``).
+    """
+
+    channel: ControlChannel[RingMessage]
+    transport: PeerTransport
+    slots: RegisteredSlots
+    device: torch.device
+    timeout: float
+    progress: SyncProgress
+    where: str
+
+
+class RingSession:
+    """One sync's traffic in this process: routes inbox messages to the main loop (from
+    upstream) or to the slot credits (from downstream), writes buckets into the downstream
+    neighbour's slots, and fails fast when any background task of the sync fails."""
+
+    def __init__(self, link: RingLink, placement: Placement) -> None:
+        self.link = link
         self.placement = placement
         self.from_upstream: asyncio.Queue[BucketReady | Final | Abort] = asyncio.Queue()
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -79,7 +107,7 @@ class RingSession:
         :class:`TransferError` naming ``peer`` and the stage after ``timeout`` seconds."""
         task = asyncio.ensure_future(awaitable)
         try:
-            with self.engine.progress.waiting_on(peer, on_timeout):
+            with self.link.progress.waiting_on(peer, on_timeout):
                 done, _ = await asyncio.wait(
                     {task, self.failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -92,13 +120,13 @@ class RingSession:
         if self.failed.done():
             raise self.failed.exception()
         raise TransferError(
-            f"{self.engine.describe(self.placement)} waited {timeout:.0f}s for {peer} "
+            f"{self.link.where} waited {timeout:.0f}s for {peer} "
             f"({on_timeout}); is it alive? (sync_timeout_seconds bounds every wait)",
             peer=peer, stage=on_timeout,
         )
 
     async def _read_inbox(self) -> None:
-        channel = self.engine.channel
+        channel = self.link.channel
         try:
             while True:
                 message: RingMessage = await channel.receive()
@@ -120,7 +148,7 @@ class RingSession:
         caller's cancellation never arrived): fail its waits and stop its inbox reader now,
         so that it cannot take, and drop, the newer sync's messages."""
         self.fail(TransferError(
-            f"{self.engine.describe(self.placement)}: a newer sync started while this one "
+            f"{self.link.where}: a newer sync started while this one "
             "was still running", stage="superseded",
         ))
         for task in [self._reader, *self._tasks]:
@@ -137,13 +165,13 @@ class RingSession:
         """The downstream neighbour, connected on its first ``hello``."""
         async with self._connecting:
             if self._downstream is None:
-                placement, engine = self.placement, self.engine
+                link = self.link
                 hello = await self.wait(
-                    asyncio.shield(self._hello), timeout=engine.timeout,
-                    on_timeout="waiting for its hello", peer=placement.downstream_name,
+                    asyncio.shield(self._hello), timeout=link.timeout,
+                    on_timeout="waiting for its hello", peer=self._downstream_name,
                 )
-                with engine.progress.waiting_on(placement.downstream_name, "connecting to it"):
-                    peer = await run_blocking(engine.connect_peer, hello.peer)
+                with link.progress.waiting_on(self._downstream_name, "connecting to it"):
+                    peer = await run_blocking(link.transport.connect, hello.peer)
                 self._downstream = Downstream(peer, list(hello.slots), metadata=hello.peer)
         return self._downstream
 
@@ -153,29 +181,77 @@ class RingSession:
         the connection: no other write uses it meanwhile)."""
         downstream = await self.downstream()
         slot = await self.wait(
-            downstream.free.get(), timeout=self.engine.timeout,
-            on_timeout=f"a free slot for bucket {index}", peer=self.placement.downstream_name,
+            downstream.free.get(), timeout=self.link.timeout,
+            on_timeout=f"a free slot for bucket {index}", peer=self._downstream_name,
         )
         if slot in downstream.unloaded:
             async with downstream.gate.renewing():
                 if slot in downstream.unloaded:  # not already loaded by another forward
                     downstream.unloaded.clear()
-                    with self.engine.progress.waiting_on(self.placement.downstream_name,
-                                                         "reconnecting to it"):
+                    with self.link.progress.waiting_on(self._downstream_name,
+                                                       "reconnecting to it"):
                         downstream.peer = await run_blocking(
-                            self.engine.connect_peer, downstream.metadata
+                            self.link.transport.connect, downstream.metadata
                         )
         return downstream, slot
 
     async def send(self, endpoint: str, peer: str, message: RingMessage) -> None:
         """Send ``message`` to a neighbour."""
         await self.wait(
-            self.engine.channel.send(endpoint, message, self.engine.timeout),
-            timeout=self.engine.timeout + 1,
+            self.link.channel.send(endpoint, message, self.link.timeout),
+            timeout=self.link.timeout + 1,
             on_timeout=f"sending {type(message).__name__.lower()}", peer=peer,
         )
 
     async def send_downstream(self, message: RingMessage) -> None:
         """Send ``message`` to the downstream neighbour, if there is one."""
         if self.placement.downstream is not None:
-            await self.send(self.placement.downstream, self.placement.downstream_name, message)
+            await self.send(self.placement.downstream, self._downstream_name, message)
+
+    @property
+    def downstream_peer(self) -> Hashable | None:
+        """The transport connection to the downstream neighbour (``None`` until connected)."""
+        return None if self._downstream is None else self._downstream.peer
+
+    @property
+    def _downstream_name(self) -> str:
+        return self.placement.downstream_name or "the downstream neighbour"
+
+    # -- writing into the downstream neighbour -------------------------------------------
+    async def forward_bucket(
+        self, data: torch.Tensor, meta: BucketMeta, previous: asyncio.Task | None = None,
+    ) -> None:
+        """Write one bucket into a free downstream slot, then announce it (after the
+        previous bucket's announcement, so they arrive in order)."""
+        downstream, slot = await self.take_slot(meta.index)
+        stage = f"writing bucket {meta.index}"
+        target = downstream.slots[slot]
+        if meta.nbytes > target.nbytes:
+            raise TransferError(
+                f"{self.link.where} has a {meta.nbytes}-byte bucket but "
+                f"{self._downstream_name} has {target.nbytes}-byte slots; use the same "
+                "update_weights_bucket_megabytes on both sides",
+                peer=self._downstream_name, stage=stage,
+            )
+        async with downstream.gate.writing():
+            await self._write(downstream.peer, data, target.at(0, meta.nbytes), stage)
+        if previous is not None:
+            await previous
+        await self.send_downstream(BucketReady(self.placement.sync_id, slot, meta))
+
+    async def _write(self, peer: Hashable, data: torch.Tensor, target: RemoteBuffer,
+                     stage: str) -> None:
+        """One bounded one-sided write to the downstream neighbour; failures name it."""
+        name, timeout = self._downstream_name, self.link.timeout
+        try:
+            await self.wait(
+                run_blocking(self.link.transport.write, peer, data, target, timeout),
+                timeout=timeout + 5, on_timeout=stage, peer=name,
+            )
+        except TransferError as exc:
+            if exc.peer:  # already names the peer (a timeout of this wait)
+                raise
+            raise TransferError(
+                f"{self.link.where}: {stage} to {name} failed: {exc}",
+                peer=name, stage=stage, code=exc.code,
+            ) from exc
