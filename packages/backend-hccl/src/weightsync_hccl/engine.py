@@ -5,9 +5,11 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 try:
-    import torch_npu  # noqa: F401  (registers torch.npu and ProcessGroupHCCL)
+    # registers torch.npu and ProcessGroupHCCL; installed on Ascend hosts only
+    import torch_npu  # noqa: F401  # pyright: ignore[reportMissingImports]
 except ImportError as exc:
     raise ImportError(
         "the hccl backend needs torch_npu (Ascend's PyTorch adapter), which is not "
@@ -35,8 +37,9 @@ class HCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "npu"
 
     def new_data_group(
-        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
+        self, store: Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
-        return dist.ProcessGroupHCCL(
+        # torch_npu adds ProcessGroupHCCL to torch.distributed at import; torch's stubs lack it
+        return dist.ProcessGroupHCCL(  # pyright: ignore[reportAttributeAccessIssue]
             store, rank, world_size, datetime.timedelta(seconds=self.timeout)
         )

@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -61,6 +61,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     """
 
     options_class = KimiOptions
+    # options_class makes it a KimiOptions; core declares the base attribute mutable, so
+    # narrowing it is reported although nothing assigns another type.
     options: KimiOptions
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
@@ -91,7 +93,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     @property
     def transport(self) -> MooncakeTransport:
         """This process's Transfer Engine (created on first use)."""
-        return self._endpoints.transport
+        # PeerEndpoints is not generic in its transport: this one builds MooncakeTransport
+        return cast(MooncakeTransport, self._endpoints.transport)
 
     @property
     def channel(self) -> ControlChannel[ShareMessage]:
@@ -125,10 +128,13 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         return kimi_topology(actor_wg_world_size, replica_sizes, metadata)
 
-    def init_process_group(self, plan: KimiPlan) -> None:
+    # the base declares build_topology's keywords as **kwargs; this engine takes its own
+    def init_process_group(
+        self, plan: KimiPlan
+    ) -> None:
         self.channel.use_key(self.session_key)
         self._plan = plan
-        if plan.has_replica_group:
+        if plan.inner is not None:  # plan.has_replica_group
             self._inner.init_process_group(**plan.inner)
         if plan.role == "leader" and not self._slots:
             self._slots = [self._register(self._allocate()) for _ in range(2)]
@@ -205,8 +211,9 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             async for item in self._inner.receive_weights():
                 yield item
             return
-        shares = [owner.cache for owner in plan.owners]
-        missing = [rank for rank, share in enumerate(shares) if share is None]
+        cached = [owner.cache for owner in plan.owners]
+        missing = [rank for rank, share in enumerate(cached) if share is None]
+        shares = [share for share in cached if share is not None]  # all of them unless missing
         error = None
         if missing:
             error = (f"actor rank(s) {missing} hold no cached weights; run update_weights "
@@ -337,7 +344,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Pull every bucket (owners interleaved) into two alternating slots; relay each to
         the replica while yielding copies of its tensors to this worker's server."""
-        relay = self._inner if self._plan.has_replica_group else None
+        plan = self._require("leader", "pull the weights")
+        relay = self._inner if plan.has_replica_group else None
         order = [  # owners interleaved: bucket 0 of every owner, then bucket 1, ...
             (share, *share.buckets[index])
             for index in range(max(len(share.buckets) for share in shares))
@@ -346,12 +354,14 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         manifest = [entry for share in shares for entry in share.tensors]
         verifier = DeliveryVerifier(self.bucket_checksum)
         unpacker = BucketUnpacker(copy=True)
-        relays: deque[asyncio.Task] = deque()
-        pending: asyncio.Task | None = None
+        relays: deque[asyncio.Task[None]] = deque()
+        pending: asyncio.Task[torch.Tensor] | None = None
         try:
             if order:
                 pending = asyncio.ensure_future(self._pull(*order[0], self._slots[0]))
             for k, (share, meta, _) in enumerate(order):
+                if pending is None:  # started before its turn, by the previous iteration
+                    raise WeightSyncError(f"kimi: the pull of bucket {k} was never started")
                 data = await pending
                 pending = None
                 # the next pull reuses the slot of bucket k-1: its relay must be done

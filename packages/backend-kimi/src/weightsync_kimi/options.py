@@ -50,16 +50,21 @@ class KimiOptions(TransferEngineOptions):
             # weightsync-nccl, say): the kimi engine loads it where it runs and says there
             # what is missing. A name no one knows is still refused here.
             return
-        if not issubclass(inner, CollectiveBroadcastCheckpointEngine):
-            raise ValueError(
-                "option 'collective' must name a broadcast backend (gloo, nccl, hccl), got "
-                f"{self.collective!r}"
-            )
         try:
             inner.check_options(self.collective_kwargs, backend=self.collective)
         except EngineOptionsError as exc:
             raise ValueError(f"option 'collective_kwargs': {exc}") from exc
 
-    def collective_class(self) -> type:
-        """The engine class of ``collective``."""
-        return CheckpointEngineRegistry.get(self.collective)
+    def collective_class(self) -> type[CollectiveBroadcastCheckpointEngine]:
+        """The engine class of ``collective``.
+
+        Raises:
+            ValueError: ``collective`` names an engine that is not a broadcast backend.
+        """
+        inner = CheckpointEngineRegistry.get(self.collective)
+        if not issubclass(inner, CollectiveBroadcastCheckpointEngine):
+            raise ValueError(
+                "option 'collective' must name a broadcast backend (gloo, nccl, hccl), got "
+                f"{self.collective!r}"
+            )
+        return inner

@@ -67,7 +67,7 @@ def _inner_plans(members: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
         return [None]
     inner_cls = CheckpointEngineRegistry.get(members[0]["collective"])
     leader, others = inner_cls.build_topology(1, len(members) - 1, [m["inner"] for m in members])
-    plans = [{key: values[0] for key, values in leader.items()}]
+    plans: list[dict[str, Any] | None] = [{key: values[0] for key, values in leader.items()}]
     plans += [{key: values[i] for key, values in others.items()} for i in range(len(members) - 1)]
     return plans
 

@@ -29,7 +29,9 @@ class MooncakeCheckpointEngine(RingCheckpointEngine):
     """
 
     options_class = MooncakeOptions
-    options: MooncakeOptions
+    # options_class makes it a MooncakeOptions; core declares the base attribute mutable, so
+    # narrowing it is reported although nothing assigns another type.
+    options: MooncakeOptions  # pyright: ignore[reportIncompatibleVariableOverride]  # built from options_class
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)

@@ -53,20 +53,31 @@ class MooncakeTransport(PeerTransport):
     """
 
     def __init__(self, host: str, protocol: str = "tcp", device_name: str = "") -> None:
-        self._engine = TransferEngine()
-        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        engine = TransferEngine()
+        self._engine: TransferEngine | None = engine
+        code = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if code != 0:
             raise WeightSyncError(
                 f"Mooncake Transfer Engine failed to start on {host} with protocol "
                 f"{protocol!r} and devices {device_name!r} (code {code}); check that the "
                 "protocol is supported here (tcp works everywhere) and the device names exist"
             )
-        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self.session_id = f"{host}:{engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}
+
+    def _require_engine(self) -> TransferEngine:
+        """The Transfer Engine (until :meth:`close`).
+
+        Raises:
+            WeightSyncError: the transport was closed.
+        """
+        if self._engine is None:
+            raise WeightSyncError(f"the Mooncake transport at {self.session_id} is closed")
+        return self._engine
 
     def register(self, buffer: torch.Tensor) -> RemoteBuffer:
         descriptor = describe_buffer(buffer)
-        code = self._engine.register_memory(descriptor.addr, descriptor.nbytes)
+        code = self._require_engine().register_memory(descriptor.addr, descriptor.nbytes)
         if code != 0:
             raise TransferError(
                 f"Mooncake could not register {descriptor.nbytes} bytes at "
@@ -77,7 +88,7 @@ class MooncakeTransport(PeerTransport):
 
     def deregister(self, buffer: torch.Tensor) -> None:
         if self._registered.pop(buffer.data_ptr(), None) is not None:
-            self._engine.unregister_memory(buffer.data_ptr())
+            self._require_engine().unregister_memory(buffer.data_ptr())
 
     def metadata(self) -> str:
         return self.session_id
@@ -94,7 +105,8 @@ class MooncakeTransport(PeerTransport):
         nbytes = self._check(local, remote)
         if nbytes == 0:
             return
-        batch = self._engine.transfer_submit_write(
+        engine = self._require_engine()
+        batch = engine.transfer_submit_write(
             str(peer), local.data_ptr(), remote.addr, nbytes
         )
         if batch < 0:
@@ -104,7 +116,7 @@ class MooncakeTransport(PeerTransport):
             )
         deadline = time.monotonic() + timeout
         pause = _FIRST_POLL_SECONDS
-        while (status := self._engine.transfer_check_status(batch)) == _IN_PROGRESS:
+        while (status := engine.transfer_check_status(batch)) == _IN_PROGRESS:
             if time.monotonic() > deadline:
                 raise TransferError(
                     f"Mooncake write of {nbytes} bytes to {peer} still in progress after "
@@ -127,7 +139,8 @@ class MooncakeTransport(PeerTransport):
         nbytes = self._check(local, remote)
         if nbytes == 0:
             return
-        code = self._engine.transfer_sync_read(str(peer), local.data_ptr(), remote.addr, nbytes)
+        engine = self._require_engine()
+        code = engine.transfer_sync_read(str(peer), local.data_ptr(), remote.addr, nbytes)
         if code != 0:
             raise TransferError(
                 f"Mooncake read of {nbytes} bytes from {peer} failed with code {code}",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+from typing import cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from weightsync_core.spi import (
     CheckpointEngineRegistry,
@@ -43,7 +45,7 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "cuda"
 
     def new_data_group(
-        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
+        self, store: Store, rank: int, world_size: int, control: dist.ProcessGroup
     ) -> dist.ProcessGroup:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)
@@ -51,4 +53,6 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
         connect = getattr(group, "eager_connect_single_device", None)
         if connect is not None:  # form the communicator now, inside the init timeout
             connect(self.device)
-        return group
+        # Core types the data communicator as a ProcessGroup; a c10d backend such as
+        # ProcessGroupNCCL offers the same broadcast (torch's Backend stub omits it).
+        return cast(dist.ProcessGroup, group)

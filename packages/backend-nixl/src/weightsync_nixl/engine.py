@@ -26,7 +26,9 @@ class NixlCheckpointEngine(RingCheckpointEngine):
     """
 
     options_class = NixlOptions
-    options: NixlOptions
+    # options_class makes it a NixlOptions; core declares the base attribute mutable, so
+    # narrowing it is reported although nothing assigns another type.
+    options: NixlOptions  # pyright: ignore[reportIncompatibleVariableOverride]  # built from options_class
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
