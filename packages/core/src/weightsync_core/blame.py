@@ -10,14 +10,15 @@ transport errors (which usually only echo one of those), then pure echoes.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+import ray.exceptions
 
 from weightsync_core.errors import GroupInitTimeoutError, SenderAbortedError, TransferError
+from weightsync_core.sync_layout import SyncLayout
 
 __all__ = ["Culprit", "describe_exception", "rank_failures", "stalled_processes"]
 
@@ -27,7 +28,8 @@ class Culprit:
     """The process a failed sync blames, and why."""
 
     name: str
-    """As the manager names processes: ``"actor_wg rank 0"``, ``"rollout rank 2 (...)"``."""
+    """As the manager names processes (:class:`~weightsync_core.sync_layout.SyncLayout`'s
+    names): ``"actor_wg rank 0"``, ``"rollout rank 2 (...)"``, ``"replica 1"``."""
     verdict: str
     """What it did, e.g. ``"died"``, ``"stopped responding (...)"``."""
 
@@ -66,12 +68,14 @@ def _priority(exc: BaseException) -> int:
 
 
 def _manager_name(peer: str, names: Sequence[str]) -> str | None:
-    """The manager's name for a process an engine calls ``actor rank N`` / ``rollout rank N``."""
-    match = re.fullmatch(r"(actor|rollout) rank (\d+)", peer.strip())
-    if match is None:
+    """The manager's name (one of ``names``, as :class:`SyncLayout` names processes) for a
+    process an engine calls ``actor rank N`` / ``rollout rank N``."""
+    parsed = SyncLayout.parse_peer_name(peer)
+    if parsed is None:
         return None
-    prefix = "actor_wg rank" if match[1] == "actor" else "rollout rank"
-    wanted = f"{prefix} {match[2]}"
+    side, rank = parsed
+    # a rollout worker's name is its peer name followed by where it sits in its replica
+    wanted = SyncLayout.actor_name(rank) if side == "actor" else SyncLayout.rollout_peer_name(rank)
     return next((name for name in names if name == wanted or name.startswith(f"{wanted} (")),
                 None)
 

@@ -7,7 +7,6 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
-import itertools
 import logging
 import sys
 import types
@@ -26,6 +25,7 @@ from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplic
 from weightsync_core.ray_group import RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.stages import Calls, SyncStages
+from weightsync_core.sync_layout import SyncLayout
 from weightsync_core.wire import new_session_key
 
 __all__ = ["CheckpointEngineManager", "awaitable_or_blocking", "run_sync"]
@@ -85,17 +85,16 @@ def awaitable_or_blocking(
 @dataclass(frozen=True)
 class _SyncProcesses:
     """The engine processes of one sync: the actor ranks, then the replicas' rollout
-    workers, with the names a failure reports them by."""
+    workers, laid out (and named, as a failure reports them) by ``layout``."""
 
     actor: CheckpointEngineWorkerGroup
     rollout: CheckpointEngineWorkerGroup
-    actor_names: list[str]
-    rollout_names: list[str]
+    layout: SyncLayout
 
     @property
     def names(self) -> list[str]:
         """Every process's name: actor ranks, then rollout ranks."""
-        return self.actor_names + self.rollout_names
+        return self.layout.names
 
     def engine_calls(
         self, method: str, actor_kwargs: dict[str, list[Any]] | None = None,
@@ -120,9 +119,11 @@ class _SyncProcesses:
     def cache_calls(self, global_steps: int | None) -> Callable[[], Calls]:
         """The rollout workers' loads from the actor side's cache (the actor ranks send
         nothing)."""
-        return lambda: list(zip(
-            self.rollout_names, self.rollout.update_weights_from_cache(global_steps), strict=True
-        ))
+        load = getattr(self.rollout, "update_weights_from_cache", None)
+        if load is None:
+            raise TypeError(f"{type(self.rollout).__qualname__} has no "
+                            "update_weights_from_cache: its workers cannot load from a cache")
+        return lambda: list(zip(self.layout.rollout_names, load(global_steps), strict=True))
 
 
 class CheckpointEngineManager:
@@ -269,7 +270,7 @@ class CheckpointEngineManager:
                 f"implement it to use {stage}"
             )
         await self._stages().run(stage, lambda: [
-            (f"replica {index}", getattr(replica, method)(**options))
+            (SyncLayout.replica_name(index), getattr(replica, method)(**options))
             for index, replica in enumerate(self.replicas)
         ])
 
@@ -380,9 +381,10 @@ class CheckpointEngineManager:
     ) -> list[dict[str, Any]]:
         """A colocated engine's transfer: each actor rank loads its weights into the server
         in its own process. Returns what each rank moved."""
-        actor_names = [f"actor_wg rank {rank}" for rank in range(self.actor_wg.world_size)]
+        layout = self._layout([])
         return await stages.run("transfer", lambda: list(zip(
-            actor_names, self.actor_wg.update_weights(global_steps, **options), strict=True,
+            layout.actor_names, self.actor_wg.update_weights(global_steps, **options),
+            strict=True,
         )))
 
     async def _send_to_replicas(
@@ -393,15 +395,16 @@ class CheckpointEngineManager:
         side's cache) to the replicas' workers. Returns what was moved: the senders'
         counts, or what one worker loaded from the cache."""
         processes = self._processes(replicas)
+        layout = processes.layout
         progress = processes.engine_calls("sync_progress")
         key = new_session_key()  # this sync's secret, handed to every process through Ray
         await stages.run("authenticate", processes.engine_calls(
-            "set_session_key", {"key": [key] * processes.actor.world_size},
-            {"key": [key] * processes.rollout.world_size},
+            "set_session_key", {"key": [key] * layout.actor_ranks},
+            {"key": [key] * layout.rollout_world_size},
         ), progress)
-        await self._locate(stages, processes, replicas)
+        await self._locate(stages, processes)
         metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
-        actor_kwargs, rollout_kwargs = self._topology(stages, replicas, metadata)
+        actor_kwargs, rollout_kwargs = self._topology(stages, layout, metadata)
         await stages.run("init_process_group", processes.engine_calls(
             "init_process_group", actor_kwargs, rollout_kwargs,
         ), progress)
@@ -412,9 +415,25 @@ class CheckpointEngineManager:
             results = await stages.run(
                 "transfer", processes.send_calls(global_steps, options), progress
             )
-            sent = results[: processes.actor.world_size]
+            sent = results[: layout.actor_ranks]
         await stages.run("finalize", processes.engine_calls("finalize"), progress)
         return sent
+
+    def _layout(self, replicas: list[RolloutReplica]) -> SyncLayout:
+        """This sync's layout: ``actor_wg``'s ranks and the workers of ``replicas``.
+
+        Raises:
+            SyncStageError: (stage ``prepare``) a replica has no workers.
+        """
+        try:
+            return SyncLayout(
+                self.actor_wg.world_size, tuple(len(replica.workers) for replica in replicas)
+            )
+        except ValueError as exc:
+            raise SyncStageError(
+                f"weight sync ({self.backend}) failed at stage 'prepare': {exc}",
+                stage="prepare",
+            ) from exc
 
     def _processes(self, replicas: list[RolloutReplica]) -> _SyncProcesses:
         """The actor ranks and the workers of ``replicas`` (at least one), as one sync
@@ -426,41 +445,30 @@ class CheckpointEngineManager:
                 "has no replicas; add_replicas() first", stage="prepare",
             )
         return _SyncProcesses(
-            actor=self.actor_wg,
-            rollout=self.rollout_group(workers),
-            actor_names=[f"actor_wg rank {rank}" for rank in range(self.actor_wg.world_size)],
-            rollout_names=[
-                f"rollout rank {rank} (replica {index}, worker {local})"
-                for rank, (index, local) in enumerate(
-                    (index, local) for index, replica in enumerate(replicas)
-                    for local in range(len(replica.workers))
-                )
-            ],
+            actor=self.actor_wg, rollout=self.rollout_group(workers),
+            layout=self._layout(replicas),
         )
 
-    async def _locate(
-        self, stages: SyncStages, processes: _SyncProcesses, replicas: list[RolloutReplica]
-    ) -> None:
+    async def _locate(self, stages: SyncStages, processes: _SyncProcesses) -> None:
         """Learn where each process runs, so that a failure names the host (a cable, a
         switch); a replica's stages (abort, resume) name the host of its first worker."""
         hosts = await stages.run("locate", processes.engine_calls("address"))
+        located = processes.layout.with_hosts(hosts)
         self._addresses.clear()
-        self._addresses.update(zip(processes.names, hosts, strict=True))
-        first_workers = itertools.accumulate([0, *(len(r.workers) for r in replicas[:-1])])
-        self._addresses.update({
-            f"replica {index}": self._addresses[processes.rollout_names[first]]
-            for index, first in enumerate(first_workers)
-        })
+        self._addresses.update(located.hosts_by_name())
 
     def _topology(
-        self, stages: SyncStages, replicas: list[RolloutReplica], metadata: list[Any]
+        self, stages: SyncStages, layout: SyncLayout, metadata: list[Any]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The backend's per-rank ``init_process_group`` arguments (actor side, rollout
-        side) from what ``prepare`` returned; a failure is stage ``build_topology``'s."""
+        side) from what ``prepare`` returned; a failure is stage ``build_topology``'s.
+
+        Engines get the sizes (``build_topology(layout.actor_ranks,
+        layout.rollout_world_size, metadata)``, verl's signature), or the workers of each
+        replica where they ask for them (``build_replica_topology``)."""
         try:
             actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
-                self.actor_wg.world_size, [len(replica.workers) for replica in replicas],
-                metadata,
+                layout.actor_ranks, list(layout.replica_workers), metadata,
             )
         except Exception as exc:
             raise stages.error(exc, "build_topology") from exc
@@ -503,15 +511,19 @@ class CheckpointEngineManager:
     @staticmethod
     def _replica_calls(replicas: list[RolloutReplica], method: str) -> Callable[[], Calls]:
         """Calls of ``replica.<method>()`` on each of ``replicas``."""
-        return lambda: [(f"replica {index}", getattr(replica, method)())
+        return lambda: [(SyncLayout.replica_name(index), getattr(replica, method)())
                         for index, replica in enumerate(replicas)]
 
-    async def _run_stage(
+    async def run_stage(
         self, stage: str, calls: Calls, deadline: float,
         probe: Callable[[], Calls] | None = None,
     ) -> list[Any]:
-        """Run one stage outside a sync until ``deadline`` (loop time), as
-        :meth:`SyncStages.run` (``weightsync-verl`` runs verl's naive hand-over so)."""
+        """Run one stage of an integration's own (``weightsync-verl`` runs verl's naive
+        hand-over so) with the manager's deadline and blame: ``calls`` are ``(process name,
+        Ray object ref)`` pairs, awaited until ``deadline`` (event-loop time); a call that
+        fails or is still running then raises
+        :class:`~weightsync_core.errors.SyncStageError` naming the stage and the processes
+        (``probe``, if given, returns calls that report what the stalled ones are doing)."""
         stages = self._stages()
         stages.deadline = deadline
         return await stages.run(stage, lambda: calls, probe)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import ray
+import ray.exceptions
 
 from weightsync_core.blame import (
     Culprit,
@@ -115,8 +116,8 @@ class SyncStages:
             # give the other ranks a moment to report, so the root cause can be named
             await asyncio.wait(pending, timeout=min(_GRACE_SECONDS, self._left(deadline)))
         failures = [
-            (name, task.exception()) for name, task in zip(names, tasks, strict=True)
-            if task.done() and not task.cancelled() and task.exception() is not None
+            (name, exc) for name, task in zip(names, tasks, strict=True)
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None
         ]
         pending_names = [name for name, task in zip(names, tasks, strict=True)
                          if not task.done()]
@@ -187,7 +188,7 @@ async def _probe(
             reports[name] = None
         elif task.cancelled() or task.exception() is not None:
             exc = task.exception() if not task.cancelled() else None
-            if isinstance(exc, ray.exceptions.RayActorError):
+            if exc is not None and isinstance(exc, ray.exceptions.RayActorError):
                 failures.append((name, exc))
             else:
                 reports[name] = None
@@ -196,7 +197,7 @@ async def _probe(
     return stalled_processes(reports, names)
 
 
-def _cancel(calls: list[Awaitable[Any]], tasks: list[asyncio.Future]) -> None:
+def _cancel(calls: list[Awaitable[Any]], tasks: Sequence[asyncio.Future]) -> None:
     """Cancel the Ray calls among ``calls`` and every task."""
     for call in calls:
         if isinstance(call, ray.ObjectRef):

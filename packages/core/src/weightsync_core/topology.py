@@ -12,6 +12,10 @@ membership is unchanged; otherwise the group is built anew on a fresh port.
 
 Ring (``nixl``, ``mooncake``): actor rank 0 feeds rollout worker 0, which forwards each
 bucket to rollout worker 1 while its own server reads it, and so on down the ring.
+
+The builders take the sizes an engine's ``build_topology`` gets (verl's signature) and check
+them once as a :class:`~weightsync_core.sync_layout.SyncLayout`, which also splits the
+metadata per side and names the peers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from weightsync_core.sync_layout import SyncLayout
 
 __all__ = ["BroadcastGroup", "broadcast_topology", "plan_broadcast_groups", "ring_topology"]
 
@@ -67,8 +73,18 @@ def _master_metadata(
     reuse = previous is not None and previous["members"] == member_ids and all(
         member.get("group") == previous for member in members
     )
-    port = previous["port"] if reuse else sender["port"]
+    port = previous["port"] if previous is not None and reuse else sender["port"]
     return {"host": sender["host"], "port": port, "reuse": reuse, "sender": sender_rank}
+
+
+def _layout(kind: str, actor_wg_world_size: int, rollout_world_size: int) -> SyncLayout:
+    """The layout ``build_topology`` is given (sizes only): at least one process a side."""
+    if actor_wg_world_size < 1 or rollout_world_size < 1:
+        raise ValueError(
+            f"a {kind} needs at least one actor rank and one rollout worker, got "
+            f"actor_wg_world_size={actor_wg_world_size}, rollout_world_size={rollout_world_size}"
+        )
+    return SyncLayout.flat(actor_wg_world_size, rollout_world_size)
 
 
 def broadcast_topology(
@@ -79,17 +95,14 @@ def broadcast_topology(
     ``metadata`` entries carry ``host``, ``port``, ``member`` (a unique id), ``group`` (the
     intact group the process holds, or None) and, on actor ranks, ``senders``.
     """
-    if actor_wg_world_size < 1 or rollout_world_size < 1:
-        raise ValueError(
-            "a broadcast needs at least one actor rank and one rollout worker, got "
-            f"actor_wg_world_size={actor_wg_world_size}, rollout_world_size={rollout_world_size}"
-        )
-    actor_meta = metadata[:actor_wg_world_size]
-    rollout_meta = metadata[actor_wg_world_size:]
-    groups = plan_broadcast_groups(actor_meta, rollout_world_size, actor_meta[0].get("senders", 1))
+    layout = _layout("broadcast", actor_wg_world_size, rollout_world_size)
+    actor_meta, rollout_meta = layout.split(metadata)
+    groups = plan_broadcast_groups(
+        actor_meta, layout.rollout_world_size, actor_meta[0].get("senders", 1)
+    )
     idle = {"rank": -1, "world_size": 0, "master_metadata": None, "members": None}
-    actor_kwargs = [dict(idle) for _ in range(actor_wg_world_size)]
-    rollout_kwargs: list[dict[str, Any]] = [{} for _ in range(rollout_world_size)]
+    actor_kwargs = [dict(idle) for _ in range(layout.actor_ranks)]
+    rollout_kwargs: list[dict[str, Any]] = [{} for _ in range(layout.rollout_world_size)]
     for group in groups:
         members = [actor_meta[group.sender]] + [rollout_meta[r] for r in group.receivers]
         member_ids = [member["member"] for member in members]
@@ -121,19 +134,13 @@ def ring_topology(
     gets its ``position``, the ``sync_id`` of this sync, and the endpoint and name of its
     ``upstream`` and ``downstream`` neighbours (``None`` at the ends of the ring).
     """
-    if actor_wg_world_size < 1 or rollout_world_size < 1:
-        raise ValueError(
-            "a ring needs at least one actor rank and one rollout worker, got "
-            f"actor_wg_world_size={actor_wg_world_size}, rollout_world_size={rollout_world_size}"
-        )
-    if len(metadata) != actor_wg_world_size + rollout_world_size:
-        raise ValueError(
-            f"expected metadata of {actor_wg_world_size + rollout_world_size} processes, "
-            f"got {len(metadata)}"
-        )
+    layout = _layout("ring", actor_wg_world_size, rollout_world_size)
+    actor_meta, rollout_meta = layout.split(metadata)
     sync_id = uuid.uuid4().hex
-    chain = [metadata[0]["endpoint"]] + [m["endpoint"] for m in metadata[actor_wg_world_size:]]
-    names = ["actor rank 0"] + [f"rollout rank {rank}" for rank in range(rollout_world_size)]
+    chain = [actor_meta[0]["endpoint"]] + [m["endpoint"] for m in rollout_meta]
+    names = [layout.actor_peer_name(0)] + [
+        layout.rollout_peer_name(rank) for rank in range(layout.rollout_world_size)
+    ]
 
     def place(position: int) -> dict[str, Any]:
         has_next = position + 1 < len(chain)
@@ -148,7 +155,7 @@ def ring_topology(
 
     idle = {"position": -1, "sync_id": sync_id, "upstream": None, "upstream_name": None,
             "downstream": None, "downstream_name": None}
-    actor_kwargs = [place(0)] + [dict(idle) for _ in range(actor_wg_world_size - 1)]
+    actor_kwargs = [place(0)] + [dict(idle) for _ in range(layout.actor_ranks - 1)]
     rollout_kwargs = [place(position) for position in range(1, len(chain))]
     keys = list(idle)
     return (

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
+
+from weightsync_core.sync_layout import SyncLayout
 
 __all__ = ["Cluster", "Link", "Workload"]
 
@@ -44,6 +47,10 @@ class Cluster:
     ``shared_cpu_cores`` is for emulations only: every process of every host shares that
     many cores (the testbed), so per-bucket CPU work stretches when more processes than cores
     are busy. ``None`` (a real cluster): each process has a core of its own.
+
+    Its :attr:`layout` (a :class:`~weightsync_core.sync_layout.SyncLayout`, as the manager
+    builds for a sync) holds the actor ranks, the replicas' workers and every process's
+    host; the topologies read them from there.
     """
 
     nic: Link
@@ -65,24 +72,48 @@ class Cluster:
             raise ValueError(f"shared_cpu_cores must be >= 1 or None, got "
                              f"{self.shared_cpu_cores!r}")
 
+    @cached_property
+    def layout(self) -> SyncLayout:
+        """The sync's layout on this cluster: actor ranks fill ``actor host 0``, ``1``, ...
+        in rank order, ``actor_ranks_per_host`` each; rollout workers fill ``rollout host
+        0``, ``1``, ... in rollout-rank order, ``rollout_workers_per_host`` each."""
+        actor_ranks = self.actor_hosts * self.actor_ranks_per_host
+        rollout_workers = self.replicas * self.workers_per_replica
+        return SyncLayout(
+            actor_ranks, (self.workers_per_replica,) * self.replicas,
+            actor_rank_hosts=tuple(f"actor host {rank // self.actor_ranks_per_host}"
+                                   for rank in range(actor_ranks)),
+            rollout_rank_hosts=tuple(f"rollout host {worker // self.rollout_workers_per_host}"
+                                     for worker in range(rollout_workers)),
+        )
+
     @property
     def actor_ranks(self) -> int:
         """Actor ranks in all."""
-        return self.actor_hosts * self.actor_ranks_per_host
+        return self.layout.actor_ranks
 
     @property
     def rollout_workers(self) -> int:
         """Rollout workers in all."""
-        return self.replicas * self.workers_per_replica
+        return self.layout.rollout_world_size
 
     @property
     def rollout_hosts(self) -> int:
         """Hosts the rollout workers fill."""
         return math.ceil(self.rollout_workers / self.rollout_workers_per_host)
 
+    def actor_host(self, rank: int) -> str:
+        """The host of actor rank ``rank`` (ranks fill hosts in rank order)."""
+        return self._hosts(self.layout.actor_rank_hosts)[rank]
+
     def rollout_host(self, worker: int) -> str:
         """The host of rollout worker ``worker`` (workers fill hosts in rank order)."""
-        return f"rollout host {worker // self.rollout_workers_per_host}"
+        return self._hosts(self.layout.rollout_rank_hosts)[worker]
+
+    @staticmethod
+    def _hosts(hosts: tuple[str, ...] | None) -> tuple[str, ...]:
+        assert hosts is not None  # the cluster's layout always knows its hosts
+        return hosts
 
     def cpu_contention(self, busy_processes: int) -> float:
         """How much longer per-bucket CPU work takes with ``busy_processes`` at work at

@@ -66,7 +66,9 @@ def topology_options(backend: str, cluster: Cluster, device: str = "cpu") -> lis
     """The topology options of ``backend`` on ``cluster``: broadcast engines with one sender
     and with every actor rank of actor host 0 sending; kimi with each relay collective."""
     rdma = {} if device == "cpu" else {"protocol": "rdma"}
-    senders = min(cluster.actor_ranks_per_host, cluster.rollout_workers)
+    home = cluster.actor_host(0)
+    local = sum(1 for rank in range(cluster.actor_ranks) if cluster.actor_host(rank) == home)
+    senders = min(local, cluster.rollout_workers)
     if backend in ("gloo", "nccl", "hccl"):
         topology = fan_out if backend == "gloo" else chained_broadcast
         counts = sorted({1, senders})

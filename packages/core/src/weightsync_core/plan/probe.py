@@ -131,8 +131,9 @@ def measure_link(
     if nbytes < _CHUNK or pings < 1:
         raise ValueError(f"probe at least {_CHUNK} bytes and 1 ping, got {nbytes} and {pings}")
     token = secrets.token_bytes(_TOKEN_BYTES)
-    receiver = ray.remote(ProbeReceiver).options(num_cpus=0, **receiver_options).remote()
-    sender = ray.remote(ProbeSender).options(num_cpus=0, **sender_options).remote()
+    # Ray's stubs type an actor handle's methods as plain functions (no ``.remote``)
+    receiver: Any = ray.remote(ProbeReceiver).options(num_cpus=0, **receiver_options).remote()
+    sender: Any = ray.remote(ProbeSender).options(num_cpus=0, **sender_options).remote()
     limit = 2 * PROBE_SECONDS  # actor placement and start, then the probe's own deadline
     try:
         address = ray.get(receiver.address.remote(), timeout=limit)

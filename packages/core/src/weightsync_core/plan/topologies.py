@@ -10,6 +10,9 @@ one uplink, ...). With every stage's time per bucket known, the sync takes
 the copies it carries over its slowest link, divided by the bandwidth) plus the engine's
 per-bucket work. The stage that sets the period, or the pipeline fill when that dominates,
 is the sync's bound.
+
+Who sends to whom, and where each process runs, come from the cluster's
+:class:`~weightsync_core.sync_layout.SyncLayout` (:attr:`Cluster.layout`).
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ def ring(
     hop is a stage with its own slots, so hops overlap fully."""
     size = workload.bucket_bytes
     contention = cluster.cpu_contention(cluster.rollout_workers + 1)
-    chain = ["actor host 0"] + [cluster.rollout_host(w) for w in range(cluster.rollout_workers)]
+    chain = [cluster.actor_host(0)] + [
+        cluster.rollout_host(w) for w in range(cluster.rollout_workers)
+    ]
     stages = []
     for here, there in pairwise(chain):
         kind = "intra-host hop on " + here if here == there else f"NIC hop {here} -> {there}"
@@ -130,7 +135,7 @@ def ring(
 
 def _fan_out_stage(
     cluster: Cluster, size: float, receivers: Sequence[int], costs: EngineCosts,
-    contention: float, sender_host: str = "actor host 0",
+    contention: float, sender_host: str,
 ) -> Stage:
     remote = sum(1 for w in receivers if cluster.rollout_host(w) != sender_host)
     local = len(receivers) - remote
@@ -152,7 +157,7 @@ def fan_out(
     senders (relays sit on that host too)."""
     contention = cluster.cpu_contention(cluster.rollout_workers + senders)
     stage = _fan_out_stage(cluster, workload.bucket_bytes, range(cluster.rollout_workers),
-                           costs, contention)
+                           costs, contention, cluster.actor_host(0))
     option = "broadcast" + (f", {senders} senders" if senders > 1 else "")
     return pipeline(backend, option, [stage], workload.buckets, workload.pipeline_depth)
 
@@ -180,7 +185,7 @@ def chained_broadcast(
     down: Counter[str] = Counter()
     intra_hops, longest = 0, 0
     for group in _split(cluster.rollout_workers, min(senders, cluster.rollout_workers)):
-        chain = ["actor host 0"] + [cluster.rollout_host(w) for w in group]
+        chain = [cluster.actor_host(0)] + [cluster.rollout_host(w) for w in group]
         longest = max(longest, len(chain) - 1)
         for here, there in pairwise(chain):
             if here == there:
@@ -203,10 +208,11 @@ def chained_broadcast(
 
 
 def _relay_stage(
-    cluster: Cluster, size: float, leader: int, relay: str, contention: float
+    cluster: Cluster, size: float, replica: range, relay: str, contention: float
 ) -> Stage:
-    """The relay of one bucket from ``leader`` to the rest of its replica."""
-    members = range(leader + 1, leader + cluster.workers_per_replica)
+    """The relay of one bucket from the leader of ``replica`` (its rollout ranks: the first
+    leads) to the rest of it."""
+    leader, members = replica[0], replica[1:]
     leader_host = cluster.rollout_host(leader)
     if relay == "chained":
         spans_hosts = any(cluster.rollout_host(w) != leader_host for w in members)
@@ -228,17 +234,19 @@ def sharded_pull(
     if relay not in ("fan-out", "chained"):
         raise ValueError(f"relay must be 'fan-out' or 'chained', got {relay!r}")
     size = workload.bucket_bytes
-    contention = cluster.cpu_contention(cluster.rollout_workers + cluster.actor_ranks)
+    layout = cluster.layout
+    contention = cluster.cpu_contention(layout.rollout_world_size + layout.actor_ranks)
     stages = [Stage(
-        f"owner's host NIC uplink ({cluster.replicas} leader(s) pull each bucket)",
-        cluster.nic.seconds(size, cluster.replicas) + costs.bucket_seconds(size, contention),
+        f"owner's host NIC uplink ({layout.num_replicas} leader(s) pull each bucket)",
+        cluster.nic.seconds(size, layout.num_replicas)
+        + costs.bucket_seconds(size, contention),
     )]
-    relay_stages = [_relay_stage(cluster, size, leader, relay, contention)
-                    for leader in range(0, cluster.rollout_workers, cluster.workers_per_replica)
-                    if cluster.workers_per_replica > 1]
+    replicas = [layout.replica_ranks(index) for index in range(layout.num_replicas)]
+    relay_stages = [_relay_stage(cluster, size, ranks, relay, contention)
+                    for ranks in replicas if len(ranks) > 1]
     if relay_stages:
         stages.append(max(relay_stages, key=lambda stage: stage.seconds))
-    share = math.ceil(workload.model_bytes / cluster.actor_ranks)
-    buckets = cluster.actor_ranks * math.ceil(share / workload.bucket_bytes)
+    share = math.ceil(workload.model_bytes / layout.actor_ranks)
+    buckets = layout.actor_ranks * math.ceil(share / workload.bucket_bytes)
     option = f"pull + {'nccl' if relay == 'chained' else 'gloo'} relay"
     return pipeline(backend, option, stages, buckets, workload.pipeline_depth)
