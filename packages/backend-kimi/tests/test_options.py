@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync_core import CheckpointEngineConfig
-from weightsync_core.errors import EngineOptionsError
+from weightsync_core import CheckpointEngineConfig, EngineOptionsError
 from weightsync_core.testing.docs import check_documented_options
 
 README = Path(__file__).parents[1] / "README.md"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync_core import CheckpointEngineRegistry, WeightSyncError
-from weightsync_core.engines import CollectiveBroadcastCheckpointEngine
+from weightsync_core.spi import CollectiveBroadcastCheckpointEngine
 from weightsync_core.testing.docs import check_documented_options
 from weightsync_nccl import NCCLCheckpointEngine
 

@@ -5,9 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from weightsync_core.bucketing import BucketPacker, BucketUnpacker
+from weightsync_core.spi import BucketPacker, BucketUnpacker, device_checksum
 from weightsync_core.testing import CheckpointEngineConformanceTests, digests, make_weights
-from weightsync_core.verification import device_checksum
 
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync_core import CheckpointEngineConfig, CheckpointEngineRegistry, WeightSyncError
-from weightsync_core.errors import EngineOptionsError
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineRegistry,
+    EngineOptionsError,
+    WeightSyncError,
+)
 from weightsync_core.testing.docs import check_documented_options
 from weightsync_nixl import NixlCheckpointEngine, NixlTransport
 from weightsync_nixl.transport import host_has_efa, ucx_module_defaults

@@ -9,7 +9,7 @@ writers new metadata) mid-sync.
 
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core import CheckpointEngineConfig
 from weightsync_core.testing import SyncHarness
 
 SYNCS = 30  # catches a one-in-fifteen failure with 87% probability (50: 97%, twice the time)

@@ -50,3 +50,12 @@ def test_benchmarks_and_harness_do_not_need_pytest():
         "assert t.SyncHarness and t.make_weights\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_on_the_testbed_without_the_testbed_says_what_to_install(capsys):
+    from importlib.metadata import entry_points
+
+    if entry_points(group="weightsync.bench", name="testbed"):
+        pytest.skip("weightsync-testbed is installed in this environment")
+    assert main(["bench", "--testbed", "gloo"]) == 2
+    assert "pip install weightsync-testbed" in capsys.readouterr().err

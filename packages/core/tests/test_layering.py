@@ -101,3 +101,228 @@ def test_the_check_sees_every_form_of_import():
     flagged = {line for line, name in imports
                if name == TESTING or name.startswith(TESTING + ".")}
     assert flagged == {1, 2, 3, 4, 8}
+
+
+# -- core's three layers ------------------------------------------------------------------
+
+ORCHESTRATION = {"manager", "stages", "blame", "ray_group", "deployment", "local_ray"}
+"""Layer 2, orchestration on Ray (modules of ``weightsync_core``)."""
+
+TOOLS = {"plan", "bench", "cli", "testing"}
+"""Layer 3, tools (and the test support, which drives everything below it)."""
+
+
+FACE = "weightsync_core"
+"""The package itself: it exports names of every layer, those above the engines lazily (its
+import is checked to need no Ray below)."""
+
+
+def _layer(module: str) -> int:
+    """1 (engines), 2 (orchestration) or 3 (tools) for a ``weightsync_core`` module."""
+    top = module.split(".")[1] if "." in module else ""
+    return 3 if top in TOOLS else 2 if top in ORCHESTRATION else 1
+
+
+def _core_modules() -> dict[str, Path]:
+    root = Path(weightsync_core.__file__).resolve().parent
+    return {_module_name(path.relative_to(root.parent)): path for path in root.rglob("*.py")}
+
+
+def _layer_violations() -> list[str]:
+    violations = []
+    for module, path in sorted(_core_modules().items()):
+        if module == FACE:
+            continue
+        layer = _layer(module)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in _imported(tree, module, path.name == "__init__.py"):
+            if layer == 1 and (name == "ray" or name.startswith("ray.")):
+                violations.append(f"{path}:{line} (engine layer) imports {name}")
+            elif name.startswith("weightsync_core.") and _layer(name) > layer:
+                violations.append(
+                    f"{path}:{line} (layer {layer}) imports {name} (layer {_layer(name)})")
+    return sorted(set(violations))
+
+
+def test_each_layer_imports_only_the_layers_below_it_and_the_engine_layer_no_ray():
+    violations = _layer_violations()
+    assert not violations, (
+        "weightsync_core's layers (engines, no Ray; orchestration on Ray: "
+        f"{sorted(ORCHESTRATION)}; tools: {sorted(TOOLS)}) import upwards:\n"
+        + "\n".join(violations)
+    )
+
+
+def test_the_layer_check_sees_an_engine_module_importing_ray(tmp_path, monkeypatch):
+    fake = {**_core_modules(), "weightsync_core.wire": tmp_path / "wire.py"}
+    (tmp_path / "wire.py").write_text("def f():\n    import ray.util\n")
+    monkeypatch.setattr(f"{__name__}._core_modules", lambda: fake)
+    assert any("wire.py:2 (engine layer) imports ray.util" in v for v in _layer_violations())
+
+
+_WITHOUT_RAY = """
+import importlib, importlib.abc, importlib.metadata, sys
+
+class NoRay(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("ray is not installed here (blocked by the test)")
+
+sys.meta_path.insert(0, NoRay())
+import weightsync_core, weightsync_core.spi, weightsync_core.verl_compat
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineRegistry
+for point in importlib.metadata.entry_points(group="weightsync.backends"):
+    try:
+        importlib.import_module(point.module)
+    except ImportError as exc:
+        if "ray" in str(exc):
+            raise
+        print("skipped", point.name, exc)  # a native library missing here (torch_npu)
+    else:
+        print("imported", point.name)
+CheckpointEngineConfig(backend="gloo", engine_kwargs={"gloo": {"senders": 1}})
+assert "ray" not in sys.modules
+"""
+
+
+def test_the_engine_layer_and_every_installed_backend_import_where_ray_cannot():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_RAY], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "imported gloo" in done.stdout and "imported naive" in done.stdout
+
+
+# -- no import circles --------------------------------------------------------------------
+
+def _import_graph(roots: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules of these source roots it imports anywhere in its body (at the
+    top, inside functions, or for type checking only)."""
+    paths = {}
+    for root in roots:
+        for path in root.rglob("*.py"):
+            paths[_module_name(path.relative_to(root))] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets = set()
+        for _, name in _imported(tree, module, path.name == "__init__.py"):
+            while name and name not in paths:  # an imported name: its module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while (top := stack.pop()) != module:
+                group.append(top)
+            if group:
+                found.append(sorted([module, *group]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_package_has_an_import_circle():
+    circles = _circles(_import_graph(_source_roots()))
+    assert not circles, "import circles (type-only and function-level imports count):\n" + \
+        "\n".join(" <-> ".join(circle) for circle in circles)
+
+
+def test_the_circle_check_finds_a_type_only_circle(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import B\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
+    (package / "c.py").write_text("from pkg import a\n")
+    assert _circles(_import_graph([tmp_path])) == [["pkg.a", "pkg.b"]]
+
+
+# -- packages use each other's public API only --------------------------------------------
+
+CORE_PUBLIC = ("weightsync_core", "weightsync_core.spi", "weightsync_core.verl_compat",
+               "weightsync_core.cli", "weightsync_core.plan", "weightsync_core.bench",
+               "weightsync_core.testing")
+"""The modules of core other packages import (and the modules inside the last three)."""
+
+
+def _package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _foreign_import_violations(roots: list[Path]) -> list[str]:
+    violations = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            module = _module_name(path.relative_to(root))
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ImportFrom | ast.Import) or (
+                        isinstance(node, ast.ImportFrom) and node.level):
+                    continue
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                         else [alias.name for alias in node.names])
+                imported = [alias.name for alias in node.names] if isinstance(
+                    node, ast.ImportFrom) else []
+                for name in names:
+                    if not name.startswith("weightsync_") or \
+                            _package_of(name) == _package_of(module):
+                        continue
+                    where = f"{path}:{node.lineno}"
+                    if any(part.startswith("_") for part in name.split(".")) or any(
+                            item.startswith("_") for item in imported):
+                        violations.append(f"{where} imports an underscore name of {name}")
+                    if _package_of(name) == "weightsync_core" and not any(
+                            name == public or (name.startswith(public + ".")
+                                               and public != "weightsync_core")
+                            for public in CORE_PUBLIC):
+                        violations.append(f"{where} imports core's internal module {name}")
+    return violations
+
+
+def test_packages_import_only_each_others_public_api():
+    roots = [root for root in _source_roots() if root.parent.name != "core"]
+    repository = Path(__file__).resolve().parents[3]
+    roots += sorted(path.resolve() for path in repository.glob("packages/*/tests")
+                    if path.parent.name != "core")
+    violations = _foreign_import_violations(roots)
+    assert not violations, (
+        f"imports of another package's internals (core's public modules: {CORE_PUBLIC}):\n"
+        + "\n".join(violations))
+
+
+def test_the_public_api_check_sees_internal_and_underscore_imports(tmp_path):
+    (tmp_path / "weightsync_demo.py").write_text(
+        "from weightsync_core.registry import BackendState\n"
+        "from weightsync_core import _ORCHESTRATION\n"
+        "from weightsync_core.bench.measure import median_seconds\n"
+        "import weightsync_core.spi\n")
+    found = _foreign_import_violations([tmp_path])
+    assert [v.split(":", 1)[1] for v in found] == [
+        "1 imports core's internal module weightsync_core.registry",
+        "2 imports an underscore name of weightsync_core"]

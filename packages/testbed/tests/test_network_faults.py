@@ -15,8 +15,7 @@ from typing import Any, ClassVar
 import pytest
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SyncStageError
+from weightsync_core import CheckpointEngineConfig, SyncStageError
 from weightsync_core.testing import SyncHarness
 from weightsync_testbed import HostPlacement, Testbed, TestbedUnavailableError
 

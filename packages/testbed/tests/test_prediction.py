@@ -8,8 +8,7 @@ import json
 import pytest
 
 from weightsync_core.cli import main
-from weightsync_core.plan import EngineCosts, Link
-from weightsync_core.plan.probe import measure_link
+from weightsync_core.plan import EngineCosts, Link, measure_link
 from weightsync_testbed.bench import BenchCell, BenchReport
 from weightsync_testbed.placement import on_host
 from weightsync_testbed.prediction import CellModel, fit_engine_costs

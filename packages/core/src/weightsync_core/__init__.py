@@ -2,9 +2,29 @@
 
 The names follow verl's checkpoint engine (``CheckpointEngine``, ``CheckpointEngineRegistry``,
 ``CheckpointEngineManager``, ``CheckpointEngineWorker``; the training side is ``actor_wg``).
+
+Three layers, each importable without the ones above it:
+
+1. engines (no Ray): the interface, registry, options, bucketing, wire, channel, transports,
+   the engines and :mod:`weightsync_core.spi`, the surface backends import;
+2. orchestration on Ray: the manager, its stages and blame, worker groups, deployments;
+3. tools: :mod:`weightsync_core.plan`, :mod:`weightsync_core.bench`, the ``weightsync`` CLI.
+
+Importing this package imports layer 1 only; the layer-2 names exported here
+(``CheckpointEngineManager``, ``run_sync``, ``awaitable_or_blocking``, ``ensure_ray``,
+``RayRolloutReplica``, ``RayWorkerGroup``, ``load_checkpoint_manager_class``) import Ray on
+first use.
+
+Integrations and other packages import from this package's face, :mod:`weightsync_core.spi`
+(backends), :mod:`weightsync_core.verl_compat` (engines written for verl),
+:mod:`weightsync_core.plan`, :mod:`weightsync_core.bench` and its modules, and
+:mod:`weightsync_core.testing` (test support); the other modules are internal.
 """
 
+from __future__ import annotations
+
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from weightsync_core.base import (
     CheckpointEngine,
@@ -12,14 +32,22 @@ from weightsync_core.base import (
     SyncProgress,
     TransferStats,
 )
-from weightsync_core.bucketing import BucketMeta, BucketPacker, BucketUnpacker, TensorMeta
+from weightsync_core.bucketing import (
+    BucketMeta,
+    BucketPacker,
+    BucketUnpacker,
+    TensorMeta,
+    WeightsSource,
+)
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.conversion import ConversionError, convert
 from weightsync_core.errors import (
     BackendLoadError,
     BackendNotFoundError,
     BackendNotInstalledError,
     BackendRegistrationError,
     EmptyWeightsError,
+    EngineOptionsError,
     GroupInitTimeoutError,
     MalformedMessageError,
     ManifestChangedError,
@@ -32,12 +60,37 @@ from weightsync_core.errors import (
     VerificationError,
     WeightSyncError,
 )
-from weightsync_core.manager import CheckpointEngineManager, run_sync
 from weightsync_core.plugins import load_class, load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica, ServerAdapter
-from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.registry import BackendInfo, BackendState, CheckpointEngineRegistry
+from weightsync_core.wire import new_session_key
 from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker, build_engine
+
+if TYPE_CHECKING:
+    from weightsync_core.local_ray import ensure_ray
+    from weightsync_core.manager import CheckpointEngineManager, awaitable_or_blocking, run_sync
+    from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
+
+_ORCHESTRATION = {
+    "CheckpointEngineManager": "weightsync_core.manager",
+    "awaitable_or_blocking": "weightsync_core.manager",
+    "ensure_ray": "weightsync_core.local_ray",
+    "run_sync": "weightsync_core.manager",
+    "RayRolloutReplica": "weightsync_core.ray_group",
+    "RayWorkerGroup": "weightsync_core.ray_group",
+}
+"""Layer-2 names exported here, imported (with Ray) on first use."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ORCHESTRATION:
+        import importlib
+
+        value = getattr(importlib.import_module(_ORCHESTRATION[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'weightsync_core' has no attribute {name!r}")
+
 
 try:
     __version__ = version("weightsync-core")
@@ -49,6 +102,8 @@ def load_checkpoint_manager_class(qualified_name: str | None) -> type[Checkpoint
     """The ``checkpoint_manager_class`` hook: load a :class:`CheckpointEngineManager` subclass
     by fully-qualified name (same safety policy as ``custom_backend_module``); ``None`` gives
     the default manager."""
+    from weightsync_core.manager import CheckpointEngineManager
+
     if qualified_name is None:
         return CheckpointEngineManager
     return load_class(qualified_name, CheckpointEngineManager)
@@ -72,7 +127,9 @@ __all__ = [
     "CheckpointEngineWithCache",
     "CheckpointEngineWorker",
     "CheckpointEngineWorkerGroup",
+    "ConversionError",
     "EmptyWeightsError",
+    "EngineOptionsError",
     "GroupInitTimeoutError",
     "MalformedMessageError",
     "ManifestChangedError",
@@ -91,10 +148,15 @@ __all__ = [
     "UnauthenticatedMessageError",
     "VerificationError",
     "WeightSyncError",
+    "WeightsSource",
     "__version__",
+    "awaitable_or_blocking",
     "build_engine",
+    "convert",
+    "ensure_ray",
     "load_checkpoint_manager_class",
     "load_class",
     "load_custom_backend_module",
+    "new_session_key",
     "run_sync",
 ]

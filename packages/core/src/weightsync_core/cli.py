@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from weightsync_core.registry import CheckpointEngineRegistry
@@ -14,7 +15,7 @@ from weightsync_core.registry import CheckpointEngineRegistry
 if TYPE_CHECKING:
     from weightsync_core.plan import Link
 
-__all__ = ["main"]
+__all__ = ["BENCH_ENTRY_POINTS", "main"]
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -228,21 +229,28 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.set_defaults(run=_plan)
 
 
-def _bench_on_testbed(argv: list[str]) -> int:
-    try:
-        from weightsync_testbed.cli import main as testbed_main
-    except ImportError:
-        print("weightsync bench --testbed needs the testbed: pip install weightsync-testbed",
-              file=sys.stderr)
+BENCH_ENTRY_POINTS = "weightsync.bench"
+"""Entry-point group of benchmarks other packages add to ``weightsync bench``: name ``X``
+is ``weightsync bench --X ARGS``, its value a function taking ``ARGS`` and returning the
+exit status (``weightsync-testbed`` provides ``testbed``)."""
+
+
+def _bench_from_entry_point(name: str, argv: list[str]) -> int:
+    found = importlib.metadata.entry_points(group=BENCH_ENTRY_POINTS, name=name)
+    if not found:
+        print(f"weightsync bench --{name} needs the package that provides it: pip install "
+              f"weightsync-{name}", file=sys.stderr)
         return 2
-    return testbed_main(["bench", *argv])
+    run: Callable[[list[str]], int] = next(iter(found)).load()
+    return run(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``weightsync`` command."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["bench"] and "--testbed" in arguments:
-        return _bench_on_testbed([a for a in arguments[1:] if a != "--testbed"])
+        return _bench_from_entry_point(
+            "testbed", [a for a in arguments[1:] if a != "--testbed"])
     args = build_parser().parse_args(arguments)
     return args.run(args)
 

@@ -42,6 +42,7 @@ from weightsync_core.engines import (
     RingCheckpointEngine,
     RingOptions,
 )
+from weightsync_core.engines.broadcast import Collective
 from weightsync_core.errors import (
     BackendLoadError,
     BackendNotInstalledError,
@@ -56,7 +57,12 @@ from weightsync_core.options import EngineOptions
 from weightsync_core.process_group import default_host
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
-from weightsync_core.verification import DeliveryVerifier, ManifestEntry
+from weightsync_core.verification import (
+    DeliveryVerifier,
+    ManifestEntry,
+    bucket_checksum,
+    device_checksum,
+)
 
 __all__ = [
     "BackendLoadError",
@@ -67,6 +73,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointEngineRegistry",
     "CheckpointEngineWithCache",
+    "Collective",
     "CollectiveBroadcastCheckpointEngine",
     "CollectiveBroadcastOptions",
     "ControlChannel",
@@ -88,8 +95,10 @@ __all__ = [
     "WeightSyncError",
     "WeightsSource",
     "allocate_bucket",
+    "bucket_checksum",
     "default_host",
     "describe_buffer",
+    "device_checksum",
     "iter_named_tensors",
     "resolve_device",
     "run_blocking",

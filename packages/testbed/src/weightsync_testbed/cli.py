@@ -18,7 +18,7 @@ from weightsync_testbed.testbed import Testbed, cleanup
 if TYPE_CHECKING:
     from weightsync_testbed.bench import BenchReport
 
-__all__ = ["add_bench_arguments", "main", "run_bench"]
+__all__ = ["add_bench_arguments", "bench_main", "main", "run_bench"]
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("runs", nargs="+", help="testbed-bench.json files")
     predict.set_defaults(run=_predict)
     return parser
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """``weightsync bench --testbed ARGS``: core's command finds this through the
+    ``weightsync.bench`` entry-point group (name ``testbed``) and runs the benchmark with
+    ``ARGS`` (this package's ``bench`` options)."""
+    return main(["bench", *argv])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
