@@ -123,7 +123,9 @@ class CheckpointEngine(ABC):
     """The engine's typed options; a subclass with options of its own sets a subclass of
     :class:`~weightsync_core.options.EngineOptions` here."""
 
-    options: EngineOptions = EngineOptions()
+    options: Any = EngineOptions()
+    """The engine's checked options, an instance of :attr:`options_class` (a subclass
+    narrows the annotation: ``options: MyOptions``)."""
 
     rollout_dtype: torch.dtype | None = None
     verify: bool = True
@@ -258,7 +260,7 @@ class CheckpointEngine(ABC):
         return cls.build_topology(actor_wg_world_size, sum(replica_sizes), metadata)
 
     @abstractmethod
-    def init_process_group(self, **kwargs: Any) -> None:
+    def init_process_group(self, *args: Any, **kwargs: Any) -> None:
         """Join this sync's communication group with the arguments from :meth:`build_topology`."""
 
     @abstractmethod

@@ -155,14 +155,13 @@ async def iter_named_tensors(
         TypeError: an item is not a ``(str, torch.Tensor)`` pair.
         ValueError: a name occurs twice.
     """
-    if isinstance(weights, Mapping):
-        weights = weights.items()
+    source = weights.items() if isinstance(weights, Mapping) else weights
     seen: set[str] = set()
-    if isinstance(weights, AsyncIterable):
-        async for item in weights:
+    if isinstance(source, AsyncIterable):
+        async for item in source:
             yield _checked_item(item, seen)
-    elif isinstance(weights, Iterable):
-        for item in weights:
+    elif isinstance(source, Iterable):
+        for item in source:
             yield _checked_item(item, seen)
     else:
         raise TypeError(
@@ -425,8 +424,9 @@ class ReceiveBuffers:
     def take(self, index: int) -> torch.Tensor:
         """The buffer to receive bucket ``index`` into."""
         slot = index % len(self._buffers)
-        if self._buffers.reusable(slot):
-            return self._buffers[slot]
+        buffer = self._buffers[slot]
+        if buffer is not None and self._buffers.reusable(slot):
+            return buffer
         self.allocations += 1
         return self._buffers.replace(slot)
 

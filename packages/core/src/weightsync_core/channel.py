@@ -34,6 +34,7 @@ __all__ = ["ControlChannel", "PeerEndpoints", "zmq_endpoint"]
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
+T = TypeVar("T", bound=PeerTransport)
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Larger frames are refused by ZeroMQ before they are buffered (a share manifest of a
@@ -135,9 +136,12 @@ def _worth_logging(count: int) -> bool:
     return count == 1
 
 
-class PeerEndpoints:
+class PeerEndpoints(Generic[T, M]):
     """One process's control channel and transport endpoint, each created on first use and
     kept across syncs (peer-to-peer engines hold one).
+
+    Generic in the transport ``T`` (what ``create_transport`` returns) and the message type
+    ``M`` of the channel (not inferred from ``schema``: annotate the attribute holding it).
 
     Args:
         host: address of this process (``None``: :func:`default_host` at first use).
@@ -145,24 +149,22 @@ class PeerEndpoints:
         schema: the control channel's message type.
     """
 
-    def __init__(
-        self, host: str | None, create_transport: Callable[[], PeerTransport], schema: Any
-    ) -> None:
+    def __init__(self, host: str | None, create_transport: Callable[[], T], schema: Any) -> None:
         self._host = host
         self._create_transport = create_transport
         self._schema = schema
-        self._channel: ControlChannel | None = None
-        self._transport: PeerTransport | None = None
+        self._channel: ControlChannel[M] | None = None
+        self._transport: T | None = None
 
     @property
-    def channel(self) -> ControlChannel:
+    def channel(self) -> ControlChannel[M]:
         """The control channel (bound on first use)."""
         if self._channel is None:
             self._channel = ControlChannel(self._host or default_host(), self._schema)
         return self._channel
 
     @property
-    def transport(self) -> PeerTransport:
+    def transport(self) -> T:
         """The transport endpoint (created on first use)."""
         if self._transport is None:
             self._transport = self._create_transport()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -31,5 +32,5 @@ def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> Non
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": worker_env},
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )

@@ -10,10 +10,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import ProcessGroupGloo
+from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from weightsync_core.errors import GroupInitTimeoutError
 
@@ -38,13 +39,9 @@ def default_host() -> str:
     """
     if os.environ.get(HOST_ENV):
         return os.environ[HOST_ENV]
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # pragma: no cover - ray is a dependency of core
-        pass
+    ray = sys.modules.get("ray")  # asked only where Ray runs: this layer never imports it
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
     return "127.0.0.1"
 
 
@@ -91,7 +88,7 @@ def listen_on_free_port(host: str) -> socket.socket:
 def create_store(
     host: str, port: int, rank: int, world_size: int, timeout: float, prefix: str,
     listener: socket.socket | None = None,
-) -> dist.Store:
+) -> Store:
     """A ``TCPStore`` hosted by rank 0 at ``host:port``, under ``prefix``.
 
     Rank 0 passes ``listener`` (from :func:`listen_on_free_port`, on ``host:port``): its
@@ -101,13 +98,18 @@ def create_store(
     Raises:
         GroupInitTimeoutError: a non-zero rank could not reach rank 0's store.
     """
-    if rank == 0 and listener is None:
-        raise ValueError("group rank 0 hosts the store: pass the listener from prepare()")
+    listen_fd: int | None = None
+    if rank == 0:
+        if listener is None:
+            raise ValueError("group rank 0 hosts the store: pass the listener from prepare()")
+        listen_fd = listener.detach()
     try:
-        options = {"master_listen_fd": listener.detach()} if rank == 0 else {}
-        store = dist.TCPStore(
+        # torch.distributed re-exports TCPStore (public API) without `as` or `__all__`, so
+        # pyright takes it for a private import.
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             host, port, world_size, rank == 0,
-            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False, **options,
+            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, dist.DistStoreError) as exc:
         if rank == 0:
@@ -123,10 +125,10 @@ def create_store(
             f"reachable from this host (set {HOST_ENV} to a reachable address)",
             missing_ranks=[0],
         ) from exc
-    return dist.PrefixStore(prefix, store)
+    return PrefixStore(prefix, store)
 
 
-def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
+def rendezvous(store: Store, rank: int, world_size: int, timeout: float) -> None:
     """Wait until all ``world_size`` ranks have checked in on ``store``.
 
     Raises:
@@ -149,10 +151,11 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout: float) ->
 
 
 def new_gloo_group(
-    store: dist.Store, rank: int, world_size: int, timeout: float, host: str
+    store: Store, rank: int, world_size: int, timeout: float, host: str
 ) -> ProcessGroupGloo:
     """A gloo process group on ``store``, bound to ``host``; the default group is untouched."""
-    options = ProcessGroupGloo._Options()
+    # torch's stub omits ``_Options`` (the class the constructor takes) and that overload.
+    options = ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
     options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [ProcessGroupGloo.create_device(hostname=host)]
     return ProcessGroupGloo(store, rank, world_size, options)

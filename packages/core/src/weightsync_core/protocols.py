@@ -21,6 +21,11 @@ class CheckpointEngineWorkerGroup(Protocol):
     Methods return one Ray ``ObjectRef`` per rank, in rank order.
     """
 
+    def __init__(self, workers: Sequence[Any]) -> None:
+        """A group of the Ray handles ``workers`` (in rank order); how the manager builds
+        the rollout side's group from the replicas' workers."""
+        ...
+
     @property
     def world_size(self) -> int:
         """Number of ranks."""
@@ -30,7 +35,9 @@ class CheckpointEngineWorkerGroup(Protocol):
         """Call ``engine.<method>(**kwargs_i)`` on each rank ``i`` (``kwargs_i[k] = v[i]``)."""
         ...
 
-    def update_weights(self, global_steps: int | None = None, **options: Any) -> list[Any]:
+    def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> list[Any]:
         """Run each rank's side of the transfer (send on actor ranks, receive on rollout).
 
         The manager passes ``allow_manifest_change=True`` (forward it to each rank's

@@ -301,7 +301,7 @@ class CheckpointEngineRegistry:
     @classmethod
     def _store(cls, name: str, engine_cls: object, origin: str = "the decorator") -> None:
         """Register ``engine_cls`` as ``name`` unless that would replace another class."""
-        cls._check_engine_class(name, engine_cls)
+        engine_cls = cls._checked_engine_class(name, engine_cls)
         existing = cls._registry.get(name)
         if existing is not None and existing is not engine_cls:
             raise BackendRegistrationError(
@@ -314,7 +314,7 @@ class CheckpointEngineRegistry:
         cls._broken.pop(name, None)
 
     @staticmethod
-    def _check_engine_class(name: str, engine_cls: object) -> None:
+    def _checked_engine_class(name: str, engine_cls: object) -> type[CheckpointEngine]:
         from weightsync_core.base import CheckpointEngine
 
         if not (isinstance(engine_cls, type) and issubclass(engine_cls, CheckpointEngine)):
@@ -322,3 +322,4 @@ class CheckpointEngineRegistry:
                 f"backend {name!r}: {engine_cls!r} is not a subclass of "
                 "weightsync_core.CheckpointEngine; only engine classes can be registered"
             )
+        return engine_cls

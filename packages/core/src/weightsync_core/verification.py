@@ -32,7 +32,7 @@ def host_checksum(data: torch.Tensor) -> int:
         data = data.cpu()
     if data.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(memoryview(data.contiguous().numpy()))
+    return xxhash.xxh3_64_intdigest(data.contiguous().numpy().data)
 
 
 _CHECKSUM_CHUNK_WORDS = 1 << 24
@@ -144,9 +144,10 @@ class ManifestGuard:
         the previous sync's."""
         spec = (tuple(tensor.shape), tensor.dtype)
         self._current[name] = spec
-        if self._allow_change:
+        previous = self._previous
+        if self._allow_change or previous is None:  # no reference yet: any layout goes
             return
-        before = self._previous.get(name)
+        before = previous.get(name)
         if before == spec:
             return
         change = ("was not in the previous sync's weights" if before is None else
@@ -165,7 +166,7 @@ class ManifestGuard:
                 "the weight stream of this sync held no tensors; nothing was loaded (does the "
                 "actor's weight iterator yield anything?)"
             )
-        if not self._allow_change:
+        if not self._allow_change and self._previous is not None:
             missing = sorted(set(self._previous) - set(self._current))
             if missing:
                 shown = ", ".join(missing[:20]) + (

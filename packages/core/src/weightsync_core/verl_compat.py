@@ -100,7 +100,7 @@ async def merge_weight_chunks(
                 chunk = chunk.clone()  # a view must start at a multiple of its element size
             yield meta.name, chunk.view(meta.dtype).view(meta.shape)
             continue
-        if pending is None:
+        if pending is None or merged is None:  # set together: both None between tensors
             pending, filled = meta, 0
             merged = torch.empty(meta.nbytes, dtype=torch.uint8, device=chunk.device)
         if meta.name != pending.name or meta.chunk_offset != filled:

@@ -15,11 +15,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
+from ray.actor import ActorHandle
 
+from weightsync_core import BackendState, CheckpointEngineConfig, CheckpointEngineRegistry
 from weightsync_core.bench.gloo import raw_broadcast_group, raw_broadcasts
 from weightsync_core.bench.measure import (
     bench_config,
@@ -28,10 +30,7 @@ from weightsync_core.bench.measure import (
     synthetic_deployment,
 )
 from weightsync_core.bench.ring import raw_writes
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.plan import EngineCosts, Link
-from weightsync_core.plan.probe import measure_link
-from weightsync_core.registry import BackendState, CheckpointEngineRegistry
+from weightsync_core.plan import EngineCosts, Link, measure_link
 from weightsync_testbed.network import Link as ShapedLink
 from weightsync_testbed.placement import HostPlacement, on_host
 from weightsync_testbed.prediction import CellModel
@@ -172,7 +171,7 @@ class BenchReport:
         width = 0.8 / len(counts)
         figure, axes = plt.subplots(figsize=(1.6 * len(methods) + 2, 4))
         for offset, n in enumerate(counts):
-            values = [(self.cell(m, n).line_rate_fraction if self.cell(m, n) else 0.0)
+            values = [(cell.line_rate_fraction if (cell := self.cell(m, n)) else 0.0)
                       for m in methods]
             axes.bar([i + offset * width for i in range(len(methods))], values, width,
                      label=f"{n} receiver host{'s' if n > 1 else ''}")
@@ -278,7 +277,8 @@ def _object_store_cells(
             cells.append(BenchCell("Ray object store", n, seconds, nbytes, rate))
     finally:
         for handle in (holder, *readers):
-            ray.kill(handle)
+            # ray types .remote() as "handle or class" so that methods resolve: a handle
+            ray.kill(cast(ActorHandle, handle))
     return cells
 
 

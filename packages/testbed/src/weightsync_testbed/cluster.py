@@ -134,6 +134,7 @@ class RayCluster:
         """Wait for ``ray start --block`` to say the node runs (it then blocks)."""
         deadline = time.monotonic() + self.startup_timeout
         where = started.host or "the head"
+        log = ""
         while time.monotonic() < deadline:
             log = self._log(started.host).read_text(errors="replace")
             if "Ray runtime started" in log:

@@ -9,6 +9,7 @@ Example, in a test module (with a session testbed whose hosts include the placem
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from weightsync_core.testing import SyncHarness
@@ -39,9 +40,18 @@ class AcrossHosts:
         return SyncHarness(cls.make_config(), cls.actor_world_size, cls.replica_sizes,
                            cls.ray_actor_options, placement=cls.placement)
 
-    test_outsider_can_neither_run_code_nor_join_and_syncs_stay_exact = None
-    test_soak_keeps_resources_flat_and_close_frees_every_port = None
-    test_stalled_receiver_is_blamed_within_the_timeout = None
-    test_frozen_receiver_is_blamed_within_the_timeout = None
-    test_slow_receiver_past_the_timeout_is_blamed = None
-    test_sender_that_dies_is_blamed = None
+    skipped_cases: ClassVar[Mapping[str, str]] = {
+        "test_outsider_can_neither_run_code_nor_join_and_syncs_stay_exact":
+            "attacks from the driver's own loopback: runs in each backend's own tests",
+        "test_soak_keeps_resources_flat_and_close_frees_every_port":
+            "leaks do not depend on where a process runs: runs in each backend's own tests",
+        "test_stalled_receiver_is_blamed_within_the_timeout":
+            "a fault of a process, not of the network: runs in each backend's own tests",
+        "test_frozen_receiver_is_blamed_within_the_timeout":
+            "a fault of a process, not of the network: runs in each backend's own tests",
+        "test_slow_receiver_past_the_timeout_is_blamed":
+            "a fault of a process, not of the network: runs in each backend's own tests",
+        "test_sender_that_dies_is_blamed":
+            "a fault of a process, not of the network: runs in each backend's own tests",
+    }
+    """The suite's cases left out across hosts, with the reason (see above)."""

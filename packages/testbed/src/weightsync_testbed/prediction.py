@@ -43,13 +43,13 @@ class CellModel:
                           shared_cpu_cores=self.cpu_cores)
         synced = Workload(self.nbytes, self.bucket_bytes)
         whole = Workload(self.nbytes, self.nbytes)  # the baselines move one message
-        costs = (MEASURED_CPU_COSTS if costs is None else costs).get(method, EngineCosts())
+        engine = (MEASURED_CPU_COSTS if costs is None else costs).get(method, EngineCosts())
         if method in ("nixl", "mooncake"):
-            return ring(method, cluster, synced, costs)
+            return ring(method, cluster, synced, engine)
         if method == "gloo":
-            return fan_out(method, cluster, synced, costs)
+            return fan_out(method, cluster, synced, engine)
         if method == "kimi":
-            return sharded_pull(method, cluster, synced, costs)
+            return sharded_pull(method, cluster, synced, engine)
         if method.startswith("raw ") and method.endswith(" write"):
             return ring(method, cluster, whole, EngineCosts())
         if method in ("raw gloo broadcast", "Ray object store"):

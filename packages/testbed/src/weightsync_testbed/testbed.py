@@ -4,6 +4,7 @@ and torn down as one."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -109,7 +110,10 @@ class Testbed:
     def _connect(self) -> None:
         import ray
         from ray._private import ray_constants
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import (  # private Ray API, absent from ray/_raylet.pyi
+            AuthenticationTokenLoader,  # pyright: ignore[reportAttributeAccessIssue]
+            Config,  # pyright: ignore[reportAttributeAccessIssue]
+        )
 
         os.environ.update(self.cluster.driver_env)
         # Ray read these when it was imported: make it read them again
@@ -118,7 +122,7 @@ class Testbed:
         AuthenticationTokenLoader.instance().reset_cache()
         ray.init(
             address=self.cluster.address, _node_ip_address=self.network.gateway,
-            logging_level="WARNING",
+            logging_level=logging.WARNING,
             runtime_env={"env_vars": {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}},
         )
 

@@ -63,10 +63,13 @@ class RawBroadcastPeer:
         """Seconds for one broadcast of the whole buffer from rank 0, barrier to barrier."""
         options = BroadcastOptions()
         options.rootRank = 0
-        self.group.barrier().wait()
+        # torch's stub of ProcessGroupGloo (a c10d Backend) omits its collectives
+        self.group.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]
         start = time.perf_counter()
-        self.group.broadcast([self.buffer], options).wait()
-        self.group.barrier().wait()
+        self.group.broadcast(  # pyright: ignore[reportAttributeAccessIssue]
+            [self.buffer], options
+        ).wait()
+        self.group.barrier().wait()  # pyright: ignore[reportAttributeAccessIssue]
         return time.perf_counter() - start
 
     def fetch(self, wrapped: list[ray.ObjectRef]) -> int:
@@ -83,7 +86,8 @@ def raw_broadcast_group(
     ``ray.remote`` options; the first peer is the root), joined into one gloo group with a
     buffer of ``nbytes`` each; stopped on leaving."""
     peer = ray.remote(RawBroadcastPeer)
-    peers = [peer.options(num_cpus=0, **options).remote() for options in peer_options]
+    # Ray types a handle's methods as plain functions (no ``.remote``): handles are Any here
+    peers: list[Any] = [peer.options(num_cpus=0, **options).remote() for options in peer_options]
     try:
         addresses = ray.get([peer.prepare.remote() for peer in peers])
         ray.get([peer.setup.remote(rank, len(peers), addresses[0], nbytes)

@@ -112,8 +112,9 @@ def raw_writes(
     options); yields the measurement of one write of ``nbytes`` from one into the other
     (figure ``"raw"``), checks on leaving that the writes landed, then stops both."""
     peer = ray.remote(RawTransferPeer)
-    writer = peer.options(num_cpus=0, **(writer_options or {})).remote(config, nbytes, 1)
-    reader = peer.options(num_cpus=0, **(reader_options or {})).remote(config, nbytes, 0)
+    # Ray types a handle's methods as plain functions (no ``.remote``): handles are Any here
+    writer: Any = peer.options(num_cpus=0, **(writer_options or {})).remote(config, nbytes, 1)
+    reader: Any = peer.options(num_cpus=0, **(reader_options or {})).remote(config, nbytes, 0)
     try:
         target = ray.get(reader.address.remote())
         yield lambda _step: {"raw": ray.get(writer.write_to.remote(target))}

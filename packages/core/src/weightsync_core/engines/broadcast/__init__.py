@@ -24,5 +24,6 @@ members' addresses nor claim a rank.
 """
 
 from weightsync_core.engines.broadcast.engine import CollectiveBroadcastCheckpointEngine
+from weightsync_core.engines.broadcast.group import Collective
 
-__all__ = ["CollectiveBroadcastCheckpointEngine"]
+__all__ = ["Collective", "CollectiveBroadcastCheckpointEngine"]

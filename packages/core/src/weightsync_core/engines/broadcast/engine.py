@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
+import weightsync_core.engines.broadcast.protocol as protocol
 from weightsync_core import devices
 from weightsync_core.base import CheckpointEngine, TransferStats
 from weightsync_core.blocking import retrieve_exception, run_blocking
@@ -25,8 +26,7 @@ from weightsync_core.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
-from weightsync_core.engines.broadcast import protocol
-from weightsync_core.engines.broadcast.group import BroadcastGroup, GroupLifecycle
+from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective, GroupLifecycle
 from weightsync_core.engines.broadcast.protocol import (
     AbortMessage,
     BroadcastMessage,
@@ -111,8 +111,8 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         return devices.allocate_bucket(self.bucket_size, self.device)
 
     def new_data_group(
-        self, store: dist.Store, rank: int, world_size: int, control: dist.ProcessGroup
-    ) -> dist.ProcessGroup:
+        self, store: Store, rank: int, world_size: int, control: Collective
+    ) -> Collective:
         """Override point: the communicator for bucket bytes, built on ``store`` (this
         group's own) for ``rank`` of ``world_size``; by default the gloo ``control`` group
         itself."""
@@ -158,6 +158,11 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         if rank < 0:
             self._lifecycle.close_listener()
             return
+        if master_metadata is None:
+            raise WeightSyncError(
+                f"{type(self).__name__}: group rank {rank} needs the group's master_metadata "
+                "(from build_topology) to join it"
+            )
         self._lifecycle.build(
             rank, world_size, master_metadata, members, sealer, host=self._own_host(),
             timeout=self.timeout, new_data_group=self.new_data_group,
@@ -209,6 +214,11 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         """Yield received tensors as views of their bucket; a bucket is never overwritten
         while a yielded tensor still views it (see :class:`ReceiveBuffers`)."""
         group = self._require_group(sender=False)
+        if group is None:
+            raise WeightSyncError(
+                f"{type(self).__name__}: rollout rank {self.rank} has no group (did "
+                "init_process_group fail?)"
+            )
         unpacker = BucketUnpacker(copy=False)
         verifier = DeliveryVerifier(self.bucket_checksum)
         buffers = self._receive_buffers
@@ -221,7 +231,8 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
             while True:
                 message, data = await pending
                 pending = None
-                if self._ends_stream(group, message, verifier, unpacker):
+                if not isinstance(message, BucketMessage):
+                    self._end_stream(group, message, verifier, unpacker)
                     completed = True
                     return
                 index += 1
@@ -310,21 +321,18 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         while in_flight:
             await in_flight.popleft()[0]
 
-    def _ends_stream(
-        self, group: BroadcastGroup, message: BroadcastMessage, verifier: DeliveryVerifier,
-        unpacker: BucketUnpacker,
-    ) -> bool:
-        """True (after checking the delivery) if ``message`` ends the stream; an abort
-        raises."""
+    def _end_stream(
+        self, group: BroadcastGroup, message: FinalMessage | AbortMessage,
+        verifier: DeliveryVerifier, unpacker: BucketUnpacker,
+    ) -> None:
+        """End the stream on ``message`` (every message but a bucket ends it), after checking
+        the delivery; an abort raises."""
         if isinstance(message, AbortMessage):
             raise SenderAbortedError(
                 f"{group.sender} aborted the sync, so rollout rank {self.rank} stops: "
                 f"{message.reason}"
             )
-        if isinstance(message, FinalMessage):
-            verifier.finish(message.manifest, incomplete=unpacker.incomplete())
-            return True
-        return False
+        verifier.finish(message.manifest, incomplete=unpacker.incomplete())
 
     # -- wire protocol (the methods tests override to tamper with the wire) --------------
     def _wait(self, group: BroadcastGroup, works: Posted) -> None:

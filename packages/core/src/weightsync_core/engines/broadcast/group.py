@@ -12,9 +12,10 @@ import dataclasses
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
-import torch.distributed as dist
+import torch
+from torch.distributed.distributed_c10d import BroadcastOptions, PrefixStore, Store, Work
 
 from weightsync_core.errors import WeightSyncError
 from weightsync_core.process_group import (
@@ -25,9 +26,20 @@ from weightsync_core.process_group import (
 )
 from weightsync_core.wire import MessageSealer
 
-__all__ = ["BroadcastGroup", "GroupLifecycle", "NewDataGroup"]
+__all__ = ["BroadcastGroup", "Collective", "GroupLifecycle", "NewDataGroup"]
 
-NewDataGroup = Callable[[dist.Store, int, int, dist.ProcessGroup], dist.ProcessGroup]
+
+class Collective(Protocol):
+    """What the engine calls on a communicator: a c10d backend (``ProcessGroupGloo``,
+    ``ProcessGroupNCCL``, ...) or a ``ProcessGroup``. torch's stub of ``Backend`` omits its
+    collectives, so a backend object is cast to this type where it is built."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions, /) -> Work:
+        """Enqueue a broadcast of ``tensors`` from ``opts.rootRank``."""
+        ...
+
+
+NewDataGroup = Callable[[Store, int, int, Collective], Collective]
 """Builds the communicator for bucket bytes: ``(store, rank, world_size, control group)``."""
 
 
@@ -36,9 +48,9 @@ class BroadcastGroup:
     """One sync's communicators, captured by every transfer so that a thread left over from
     an aborted sync can never post into the next sync's group."""
 
-    control: dist.ProcessGroup
-    data: dist.ProcessGroup
-    store: dist.Store
+    control: Collective
+    data: Collective
+    store: Store
     sender: str
     sealer: MessageSealer
     """Seals and opens this sync's metadata (the group may outlive a sync; the key not)."""
@@ -109,9 +121,10 @@ class GroupLifecycle:
             listener=listener,
         )
         rendezvous(store, rank, world_size, self.init_timeout)
-        control = new_gloo_group(dist.PrefixStore("control", store), rank, world_size, timeout,
-                                 host)
-        data = new_data_group(dist.PrefixStore("data", store), rank, world_size, control)
+        control = cast(Collective, new_gloo_group(
+            PrefixStore("control", store), rank, world_size, timeout, host
+        ))
+        data = new_data_group(PrefixStore("data", store), rank, world_size, control)
         sender = f"actor rank {master_metadata.get('sender', 0)}"
         self.group = BroadcastGroup(control, data, store, sender, sealer)
         self.key = {"port": master_metadata["port"], "members": members}

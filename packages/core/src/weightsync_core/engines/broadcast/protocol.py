@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BroadcastOptions
 
 from weightsync_core.bucketing import BucketMeta
-from weightsync_core.engines.broadcast.group import BroadcastGroup
+from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective
 from weightsync_core.errors import (
     MalformedMessageError,
     TransferError,
@@ -64,7 +64,7 @@ Posted = list[tuple[dist.Work, str]]
 """Posted broadcasts, each with the stage it moves (for errors)."""
 
 
-def post(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
+def post(group: Collective, tensor: torch.Tensor) -> dist.Work:
     """Enqueue one broadcast from group rank 0 (returns at once)."""
     options = BroadcastOptions()
     options.rootRank = 0
@@ -84,7 +84,7 @@ def post_message(
         (post(group.control, header), f"{name} header"),
         (post(group.control, meta), f"{name} metadata"),
     ]
-    if data_len:
+    if data is not None and data_len:
         works.append((post(group.data, data), "bucket data"))
     return works
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import BucketMeta
+from weightsync_core.engines.broadcast.group import BroadcastGroup
 from weightsync_core.engines.broadcast.protocol import (
     AbortMessage,
     BroadcastMessage,
     BucketMessage,
     FinalMessage,
+    Posted,
 )
 from weightsync_core.errors import WeightSyncError
 from weightsync_core.verification import Manifest
@@ -25,6 +28,23 @@ __all__ = ["BroadcastRelay"]
 class BroadcastRelay:
     """The relay API of :class:`~weightsync_core.engines.CollectiveBroadcastCheckpointEngine`
     (a mixin: it posts through the engine's group and wire protocol)."""
+
+    # What the mixin uses of the engine, declared for the type checker only.
+    timeout: float
+    _healthy: bool
+
+    if TYPE_CHECKING:
+
+        def synchronize_device(self) -> None: ...
+
+        def _require_group(self, *, sender: bool) -> BroadcastGroup | None: ...
+
+        def _wait(self, group: BroadcastGroup, works: Posted) -> None: ...
+
+        def _post_message(
+            self, group: BroadcastGroup, message: BroadcastMessage,
+            data: torch.Tensor | None = None,
+        ) -> Posted: ...
 
     async def relay_bucket(self, meta: BucketMeta, data: torch.Tensor) -> None:
         """Group rank 0: broadcast one already-packed bucket (``data`` = its used bytes, on

@@ -15,7 +15,7 @@ from weightsync_core.devices import synchronize_device
 from weightsync_core.engines.ring.messages import Abort, BucketReady, Credit, Final, Hello
 from weightsync_core.engines.ring.session import RingSession
 from weightsync_core.engines.ring.slots import HeldSlots
-from weightsync_core.errors import SenderAbortedError, TransferError
+from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
 from weightsync_core.verification import DeliveryVerifier
 
 __all__ = ["RingReceiver"]
@@ -35,7 +35,10 @@ class RingReceiver:
                  verify: bool) -> None:
         self.session = session
         self.link = session.link
-        self.placement = session.placement
+        self.placement = placement = session.placement
+        if placement.upstream is None or placement.upstream_name is None:
+            raise WeightSyncError(f"{self.link.where} has no upstream neighbour to receive from")
+        self.upstream, self.upstream_name = placement.upstream, placement.upstream_name
         self.verify = verify
         self.unpacker = BucketUnpacker(copy=False)
         self.verifier = DeliveryVerifier(checksum)
@@ -51,14 +54,14 @@ class RingReceiver:
             if not slots.reusable(index):
                 await run_blocking(slots.replace, index)
         hello = Hello(self.placement.sync_id, self.link.transport.metadata(), slots.descriptors)
-        await self.session.send(self.placement.upstream, self.placement.upstream_name, hello)
+        await self.session.send(self.upstream, self.upstream_name, hello)
 
     async def next_message(self) -> BucketReady | Final:
         """The upstream's next bucket announcement or its final message (an abort raises).
 
         At most one slot (the last bucket's) is held back meanwhile, so with two or more
         slots the upstream always has one to write the next bucket into."""
-        upstream = self.placement.upstream_name
+        upstream = self.upstream_name
         message = await self.session.wait(
             self.session.from_upstream.get(), timeout=self.link.timeout,
             on_timeout=f"waiting for bucket {self.expected}", peer=upstream,
@@ -91,7 +94,7 @@ class RingReceiver:
         if self.verify:
             # on a worker thread: the loop keeps forwarding and crediting meanwhile
             await run_blocking(
-                self.verifier.check_bucket, data, meta, source=self.placement.upstream_name
+                self.verifier.check_bucket, data, meta, source=self.upstream_name
             )
         return data
 
@@ -108,7 +111,8 @@ class RingReceiver:
             yielded = True
             # the consumer asked for more: it is done with earlier buckets' tensors
             self.held.release_all()
-        data = item = None  # drop our views: only the consumer's may remain
+        del data  # drop our views: only the consumer's may remain
+        item = None
         if yielded:
             self.held.hold(message.slot, self.forward)
         else:  # chunks only: copied out, nobody views this slot
@@ -127,11 +131,11 @@ class RingReceiver:
         if not slots.reusable(slot):
             buffer = await run_blocking(slots.replace, slot)
             credit = Credit(placement.sync_id, slot, buffer, self.link.transport.metadata())
-        await self.session.send(placement.upstream, placement.upstream_name, credit)
+        await self.session.send(self.upstream, self.upstream_name, credit)
 
     def _check_announcement(self, meta: BucketMeta, slot: int) -> None:
         """Refuse a bucket announcement that is out of order or does not fit its slot."""
-        upstream, expected = self.placement.upstream_name, self.expected
+        upstream, expected = self.upstream_name, self.expected
         where = self.link.where
         stage = f"bucket {expected}"
         slots = self.link.slots

@@ -93,8 +93,8 @@ class RingSession:
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.fail(task.exception())
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
         """Make every wait of this session raise ``exc`` (the first failure wins)."""
@@ -117,8 +117,8 @@ class RingSession:
         if task in done:
             return task.result()
         task.cancel()
-        if self.failed.done():
-            raise self.failed.exception()
+        if self.failed.done() and (failure := self.failed.exception()) is not None:
+            raise failure
         raise TransferError(
             f"{self.link.where} waited {timeout:.0f}s for {peer} "
             f"({on_timeout}); is it alive? (sync_timeout_seconds bounds every wait)",
@@ -137,7 +137,7 @@ class RingSession:
                 elif isinstance(message, Hello) and not self._hello.done():
                     self._hello.set_result(message)
                 elif isinstance(message, Credit) and self._downstream is not None:
-                    self._downstream.take_credit(message, self.placement.downstream_name)
+                    self._downstream.take_credit(message, self._downstream_name)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a member broke the protocol: nothing else is in order

@@ -8,13 +8,13 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from weightsync_core.bucketing import ViewTrackedBuffers
 from weightsync_core.engines.ring.messages import Credit
-from weightsync_core.errors import TransferError
+from weightsync_core.errors import TransferError, WeightSyncError
 from weightsync_core.transport import PeerTransport, RemoteBuffer
 
 __all__ = ["Downstream", "HeldSlots", "RegisteredSlots", "WriteGate"]
@@ -43,17 +43,17 @@ class RegisteredSlots:
         return len(self._buffers)
 
     def __getitem__(self, slot: int) -> torch.Tensor:
-        return self._buffers[slot]
+        return _present(self._buffers[slot], slot)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
         """Every slot's buffer, in slot order."""
-        return list(self._buffers)
+        return [_present(buffer, slot) for slot, buffer in enumerate(self._buffers)]
 
     @property
     def descriptors(self) -> list[RemoteBuffer]:
         """How peers reach every slot, in slot order (what a ``hello`` announces)."""
-        return list(self._descriptors)
+        return [_present(descriptor, slot) for slot, descriptor in enumerate(self._descriptors)]
 
     def resize(self, count: int) -> None:
         """Hold ``count`` registered buffers (blocking; kept as they are if the count
@@ -77,11 +77,11 @@ class RegisteredSlots:
         if old is not None:
             self._transport().deregister(old)
         self._buffers.replace(slot)
-        return self._descriptors[slot]
+        return _present(self._descriptors[slot], slot)
 
     def release(self) -> None:
         """Deregister and drop every buffer."""
-        buffers = self.buffers
+        buffers = [buffer for buffer in self._buffers if buffer is not None]
         self._buffers = ViewTrackedBuffers(self._allocate_registered, 0)
         self._descriptors = []
         for buffer in buffers:
@@ -92,6 +92,16 @@ class RegisteredSlots:
         buffer = self._allocate()
         self._descriptors[slot] = self._transport().register(buffer)
         return buffer
+
+
+T = TypeVar("T")
+
+
+def _present(item: T | None, slot: int) -> T:
+    """``item`` of ``slot``, which :meth:`RegisteredSlots.resize` filled."""
+    if item is None:
+        raise WeightSyncError(f"ring slot {slot} has no registered buffer (released)")
+    return item
 
 
 class HeldSlots:
@@ -173,7 +183,7 @@ class Downstream:
         for slot in range(len(self.slots)):
             self.free.put_nowait(slot)
 
-    def take_credit(self, credit: Credit, name: str | None) -> None:
+    def take_credit(self, credit: Credit, name: str) -> None:
         """Slot ``credit.slot`` is free again (with a new buffer, if the credit names one);
         ``name`` names the downstream neighbour in errors."""
         if not 0 <= credit.slot < len(self.slots):
