@@ -19,6 +19,7 @@ except ImportError as exc:
 
 from weightsync_core.spi import (
     CheckpointEngineRegistry,
+    Collective,
     CollectiveBroadcastCheckpointEngine,
 )
 
@@ -37,8 +38,8 @@ class HCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "npu"
 
     def new_data_group(
-        self, store: Store, rank: int, world_size: int, control: dist.ProcessGroup
-    ) -> dist.ProcessGroup:
+        self, store: Store, rank: int, world_size: int, control: Collective
+    ) -> Collective:
         # torch_npu adds ProcessGroupHCCL to torch.distributed at import; torch's stubs lack it
         return dist.ProcessGroupHCCL(  # pyright: ignore[reportAttributeAccessIssue]
             store, rank, world_size, datetime.timedelta(seconds=self.timeout)

@@ -11,6 +11,7 @@ from torch.distributed.distributed_c10d import Store
 
 from weightsync_core.spi import (
     CheckpointEngineRegistry,
+    Collective,
     CollectiveBroadcastCheckpointEngine,
 )
 
@@ -45,8 +46,8 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
     device_type = "cuda"
 
     def new_data_group(
-        self, store: Store, rank: int, world_size: int, control: dist.ProcessGroup
-    ) -> dist.ProcessGroup:
+        self, store: Store, rank: int, world_size: int, control: Collective
+    ) -> Collective:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -55,4 +56,4 @@ class NCCLCheckpointEngine(CollectiveBroadcastCheckpointEngine):
             connect(self.device)
         # Core types the data communicator as a ProcessGroup; a c10d backend such as
         # ProcessGroupNCCL offers the same broadcast (torch's Backend stub omits it).
-        return cast(dist.ProcessGroup, group)
+        return cast(Collective, group)
