@@ -16,7 +16,9 @@ _UV_HOOK_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 
 
 def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> None:
-    """Start a local Ray instance on loopback (once per process; no-op if Ray is up).
+    """Start a private, local Ray instance on loopback (once per process; no-op if Ray is
+    up). It never joins another Ray cluster running on the machine (a ``ray start --head``,
+    another test run's), which would also refuse ``num_cpus``.
 
     Workers get ``WEIGHTSYNC_HOST=127.0.0.1`` so every transfer stays on this machine, plus
     ``env_vars``. Ray's uv run-time hook is disabled so workers start from the current venv.
@@ -28,6 +30,7 @@ def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> Non
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     worker_env = {HOST_ENV: "127.0.0.1", _UV_HOOK_ENV: "0", **(env_vars or {})}
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
