@@ -13,6 +13,9 @@ class TestKimiConformance(CheckpointEngineConformanceTests):
     actor_world_size = 2
     replica_sizes = (1, 2)
     soak_syncs = 100  # CI time: 100 after the warm-up; core's gloo soak keeps 200
+    case_processes = {  # noqa: RUF012  (booted ahead of the case, see the suite)
+        "test_replica_added_after_an_update_loads_the_cache_without_sending": (("replica", 2),),
+    }
 
     def test_every_actor_rank_serves_a_share(self, harness: SyncHarness) -> None:
         expected = harness.set_weights(seed=30)

@@ -5,7 +5,7 @@ take injected faults."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ray
@@ -28,6 +28,12 @@ class SyncHarness(Deployment):
     ``set_faults`` makes them die, stall or go slow).
 
     Its arguments are :class:`~weightsync_core.deployment.Deployment`'s.
+
+    Starting a Ray process (Python, torch, the backend) is most of what a small test costs.
+    :meth:`prestart` starts the processes that later :meth:`new_replica` and
+    :meth:`replace_actor` calls will need, a few at a time, ahead of those calls, so that
+    they boot while earlier tests run; each is still a fresh, unused process, placed where
+    the call would have placed it.
     """
 
     source_class = WeightSourceActor
@@ -41,7 +47,11 @@ class SyncHarness(Deployment):
         actor_options: dict[str, Any] | None = None,
         placement: Placement | None = None,
     ) -> None:
+        self._planned: list[tuple[str, int]] = []  # ("replica", size) | ("actor", rank)
+        self._spares: list[tuple[str, int, dict[str, Any], list[Any]]] = []
+        self._ahead = 0
         super().__init__(config, actor_world_size, replica_sizes, actor_options, placement)
+        self._plan_index = self._replicas_started
         ray.get([actor.report.remote() for actor in self.actors])
         self._ray_ports = self._listening(self.workers())  # before any engine listens
 
@@ -61,12 +71,73 @@ class SyncHarness(Deployment):
             for pid, addresses in self._listening(self.workers()).items()
         }
 
+    # -- processes started ahead of need ----------------------------------------------------
+    def prestart(self, needs: Iterable[tuple[str, int]], ahead: int = 3) -> None:
+        """Plan processes for later calls, in the order the calls will come: ``("replica",
+        size)`` for a :meth:`new_replica` of that size, ``("actor", rank)`` for a
+        :meth:`replace_actor` of that rank. Keeps up to ``ahead`` of them started and unused;
+        a call that finds no matching one starts its own, as without a plan; :meth:`shutdown`
+        kills those never used."""
+        for kind, number in needs:
+            if kind not in ("replica", "actor"):
+                raise ValueError(f"prestart needs ('replica', size) or ('actor', rank), "
+                                 f"got {(kind, number)!r}")
+            self._planned.append((kind, number))
+        self._ahead = ahead
+        self._top_up()
+
+    def _top_up(self) -> None:
+        while self._planned and sum(len(s[3]) for s in self._spares) < self._ahead:
+            kind, number = self._planned.pop(0)
+            if kind == "actor":
+                placed = self.placement.actor_options(number) if self.placement else {}
+                self._spares.append((kind, number, placed, [self._new_actor(number)]))
+                continue
+            placed = self._replica_options(self._plan_index)
+            self._plan_index += 1
+            worker = ray.remote(self.worker_class).options(**{**self.actor_options, **placed})
+            self._spares.append(
+                (kind, number, placed, [worker.remote(self.config) for _ in range(number)]))
+
+    def _replica_options(self, index: int) -> dict[str, Any]:
+        return self.placement.replica_options(index) if self.placement else {}
+
+    def _take_spare(self, kind: str, number: int, placed: dict[str, Any]) -> list[Any] | None:
+        for spare in self._spares:
+            if spare[:3] == (kind, number, placed):
+                self._spares.remove(spare)
+                self._top_up()
+                return spare[3]
+        return None
+
+    def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
+        """Start a replica of ``size`` rollout workers (on one host, if placed), or take the
+        started, unused one :meth:`prestart` made for this call."""
+        if self._spares:
+            workers = self._take_spare("replica", size, self._replica_options(
+                self._replicas_started))
+            if workers is not None:
+                self._replicas_started += 1
+                return RayRolloutReplica(workers, name=name)
+        return super().new_replica(size, name)
+
+    def shutdown(self) -> None:
+        """Kill every process of the deployment, and the started spares no call took."""
+        super().shutdown()
+        for *_, handles in self._spares:
+            for handle in handles:
+                ray.kill(handle)
+        self._spares, self._planned = [], []
+
     def replace_actor(self, rank: int) -> None:
         """Start a new process for actor rank ``rank`` (after the old one died or was
-        killed); managers made from now on use it."""
+        killed), or take the one :meth:`prestart` started for it; managers made from now on
+        use it."""
         with contextlib.suppress(Exception):
             ray.kill(self.actors[rank])
-        self.actors[rank] = self._new_actor(rank)
+        placed = self.placement.actor_options(rank) if self.placement else {}
+        spare = self._take_spare("actor", rank, placed)
+        self.actors[rank] = spare[0] if spare else self._new_actor(rank)
         self.actor_wg = RayWorkerGroup(self.actors)
         self._ray_ports.update(self._listening([self.actors[rank]]))
 

@@ -10,6 +10,24 @@ Example, in a backend package's ``tests/test_conformance.py``::
 
 Every test drives real Ray actors through :class:`CheckpointEngineManager` and checks
 bit-exact delivery (digests of every tensor) or the failure behaviour.
+
+A subclass that cannot or need not run a case skips it with a reason, in ``skipped_cases``
+(test name -> reason); each shows as a skip with its reason in ``pytest -rs``::
+
+    class TestGlooRelayConformance(CheckpointEngineConformanceTests):
+        backend = "gloo"
+        skipped_cases = {  # noqa: RUF012
+            "test_sender_that_dies_is_blamed": "runs once, without relays (TestGlooConformance)",
+        }
+
+``skipped_cases`` of every class in the MRO count (so a mixin can skip cases too). Switching a
+case off by assigning ``test_... = None`` is refused with a ``TypeError`` when the class is
+defined, and so is a ``skipped_cases`` entry that names no case of the suite, or gives no reason.
+
+Booting Ray processes is most of the suite's time, so processes are started ahead of need: the
+ones a case adds (``case_processes``, :meth:`SyncHarness.prestart`) while earlier cases run,
+and the next class's deployment while the case before runs. Every case
+still gets fresh processes where it got them before.
 """
 
 from __future__ import annotations
@@ -21,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -57,6 +76,37 @@ class _ConformanceBase:
         "fds": 8, "threads": 4, "established": 2, "rss": 96 << 20,
     }
     """How much each process may gain over the soak (after a warm-up)."""
+    case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {}
+    """The processes each case starts beyond the class's deployment, in order:
+    ``("replica", size)`` per ``harness.new_replica(size)``, ``("actor", rank)`` per
+    ``harness.replace_actor(rank)``. The ``harness`` fixture starts them ahead of need
+    (:meth:`SyncHarness.prestart`) for the cases pytest will run. Entries of every class in
+    the MRO count; a case missing here still works, it only boots its processes itself."""
+    skipped_cases: ClassVar[Mapping[str, str]] = {}
+    """Cases this class skips: test name -> the reason, shown by ``pytest -rs``. Entries of
+    every class in the MRO count. Use this, never ``test_... = None``, which is refused."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        skipped: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            skipped.update(vars(klass).get("skipped_cases", {}))
+        for name in dir(cls):
+            if name.startswith("test_") and getattr(cls, name) is None and name not in skipped:
+                raise TypeError(
+                    f"{cls.__qualname__}.{name} = None switches the conformance case off "
+                    f"without a reason; skip it with skipped_cases = {{{name!r}: \"why\"}} "
+                    "instead (the reason shows in pytest -rs)"
+                )
+        for name, reason in skipped.items():
+            if not (name.startswith("test_")
+                    and any(callable(vars(klass).get(name)) for klass in cls.__mro__)):
+                raise TypeError(f"{cls.__qualname__}.skipped_cases names {name!r}, which is "
+                                "not a case of the conformance suite")
+            if not isinstance(reason, str) or not reason.strip():
+                raise TypeError(f"{cls.__qualname__}.skipped_cases[{name!r}] must give the "
+                                "reason for skipping the case")
+            setattr(cls, name, _skipped_case(name, reason))
 
     @classmethod
     def make_config(cls, **overrides: Any) -> CheckpointEngineConfig:
@@ -80,13 +130,46 @@ class _ConformanceBase:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def harness(cls):
-        """One deployment per test class (:meth:`make_harness`)."""
+    def harness(cls, request: pytest.FixtureRequest):
+        """One deployment per test class (:meth:`make_harness`), with the processes the
+        selected cases will start booted ahead of need (:attr:`case_processes`)."""
         if not cls.backend:
             pytest.fail("set `backend` on your conformance test class")
-        harness = cls.make_harness()
-        yield harness
-        harness.shutdown()
+        _USED.add((cls, "harness"))
+        booted = _BOOTED_AHEAD.pop((cls, "harness"), None)
+        harness = booted.result() if booted else cls.make_harness()
+        try:
+            harness.prestart(need for item in cls._cases_to_run(request.session)
+                             for need in cls._case_processes().get(item.originalname, ()))
+            yield harness
+        finally:
+            harness.shutdown()
+
+    @pytest.fixture(autouse=True)
+    def _boot_deployments_ahead(self, request: pytest.FixtureRequest):
+        """While the last case before it runs, boot the deployment of the next test class
+        of the suite: its processes are as fresh, and the boot overlaps the case instead of
+        adding to it."""
+        items = request.session.items
+        if request.node in items:
+            position = items.index(request.node)
+            for upcoming in items[position + 1:position + 1 + _BOOT_AHEAD_CASES]:
+                _boot_ahead(upcoming)
+        yield
+
+    @classmethod
+    def _case_processes(cls) -> dict[str, Sequence[tuple[str, int]]]:
+        merged: dict[str, Sequence[tuple[str, int]]] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(vars(klass).get("case_processes", {}))
+        return merged
+
+    @classmethod
+    def _cases_to_run(cls, session: pytest.Session) -> list[pytest.Function]:
+        """This class's cases in the session, in the order pytest runs them, less skipped."""
+        return [item for item in session.items
+                if isinstance(item, pytest.Function) and item.cls is cls
+                and item.get_closest_marker("skip") is None]
 
     @staticmethod
     def assert_delivered(harness: SyncHarness, expected: dict, replicas=None) -> None:
@@ -195,8 +278,87 @@ class _ConformanceBase:
         self.assert_delivered(harness, expected)
 
 
+_SOAK = "test_soak_keeps_resources_flat_and_close_frees_every_port"
+
+
+class _InBackground:
+    """``make()`` run on a thread from now on; :meth:`result` waits for what it returned."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(make,), daemon=True)
+        self._thread.start()
+
+    def _run(self, make: Callable[[], Any]) -> None:
+        try:
+            self._outcome[:] = [True, make()]
+        except BaseException as exc:  # re-raised by result()
+            self._outcome[:] = [False, exc]
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
+_BOOTED_AHEAD: dict[tuple[type, str], _InBackground] = {}
+"""Per test class: its ``"harness"`` (the class fixture's deployment), booting while the case
+before runs."""
+_BOOT_AHEAD_CASES = 1
+"""How many cases ahead a deployment starts booting (the one before it: a boot competes
+for the CPU with the timing-bound failure cases)."""
+
+
+def _boot_ahead(item: pytest.Item) -> None:
+    """Start booting the deployment ``item`` will be the first to use, if it is a case of
+    the suite that runs (not skipped) and no one booted it yet."""
+    cls = getattr(item, "cls", None)
+    if not (isinstance(item, pytest.Function) and isinstance(cls, type)
+            and issubclass(cls, _ConformanceBase) and cls.backend
+            and item.get_closest_marker("skip") is None):
+        return
+    if item.originalname == _SOAK:
+        return  # builds its own deployment when it starts (a booted-ahead one failed the
+        # "listening after close" check: a Ray port opened after the baseline was taken)
+    if "harness" in item.fixturenames and _ConformanceBase is next(
+            klass for klass in cls.__mro__ if "harness" in vars(klass)):
+        key = (cls, "harness")  # the suite's own fixture, not a subclass's
+    else:
+        return
+    if key not in _BOOTED_AHEAD and key not in _USED:
+        _USED.add(key)
+        _BOOTED_AHEAD[key] = _InBackground(cls.make_harness)
+
+
+_USED: set[tuple[type, str]] = set()
+"""Deployments already booted ahead (or built): never booted twice."""
+
+
+def _skipped_case(name: str, reason: str) -> Callable[..., None]:
+    """A stand-in for the case ``name`` that pytest skips with ``reason`` (it asks for no
+    fixture, so a class whose every case is skipped starts no deployment)."""
+
+    @pytest.mark.skip(reason=reason)
+    def case(self: Any) -> None:
+        raise AssertionError(f"{name} is skipped: {reason}")
+
+    case.__name__ = case.__qualname__ = name
+    return case
+
+
 class CheckpointEngineConformanceTests(_ConformanceBase):
     """Conformance for backends that move weights to separate rollout processes."""
+
+    case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {
+        "test_replica_removed_and_another_added_between_syncs": (("replica", 2),),
+        "test_stalled_receiver_is_blamed_within_the_timeout": (("replica", 1),),
+        "test_frozen_receiver_is_blamed_within_the_timeout": (("replica", 1),),
+        "test_slow_receiver_past_the_timeout_is_blamed": (("replica", 1),),
+        "test_receiver_that_dies_is_blamed_then_survivors_sync": (("replica", 1),),
+        "test_sender_that_dies_is_blamed": (("actor", 0),),
+    }
 
     def test_one_rollout_worker(self, harness: SyncHarness) -> None:
         single = [harness.replicas[0]]
@@ -430,7 +592,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
 
     def test_soak_keeps_resources_flat_and_close_frees_every_port(self) -> None:
         # a deployment of its own: waits of earlier failed syncs may still hold sockets of
-        # the shared one (a gloo wait cannot be interrupted; it ends at the engine timeout)
+        # the shared one (a gloo wait cannot be interrupted; it ends at the engine timeout).
         harness = self.make_harness()
         try:
             self._soak(harness)
