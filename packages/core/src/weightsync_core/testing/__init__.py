@@ -7,16 +7,22 @@ weights do not. Test support only: no production module imports this package (th
 use :mod:`weightsync_core.deployment` and :mod:`weightsync_core.bench`).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync_core.testing.harness import Placement, SyncHarness, ensure_ray
 from weightsync_core.testing.weights import Faults, digest, digests, make_weights
 
 _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests")
 
+if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
+    from weightsync_core.testing.suite import (
+        CheckpointEngineConformanceTests,
+        ColocatedEngineConformanceTests,
+    )
+
 __all__ = [
-    *_SUITE, "Faults", "Placement", "SyncHarness", "digest", "digests", "ensure_ray",
-    "make_weights",
+    "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests", "Faults",
+    "Placement", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights",
 ]
 
 

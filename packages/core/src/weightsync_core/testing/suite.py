@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import pytest
 import ray
@@ -50,7 +50,13 @@ from weightsync_core.errors import SyncStageError, SyncTimeoutError
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.weights import Faults
 
+if TYPE_CHECKING:
+    from weightsync_core.manager import CheckpointEngineManager
+    from weightsync_core.ray_group import RayRolloutReplica
+
 __all__ = ["CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests"]
+
+_StageError = TypeVar("_StageError", bound=SyncStageError)
 
 
 class _ConformanceBase:
@@ -429,9 +435,10 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
 
     # -- failures: who is blamed, and how fast ---------------------------------------------
     def _sync_with_a_broken_replica(
-        self, harness: SyncHarness, error: type[Exception], timeout: float,
-        during=None, **faults: Any,
-    ):
+        self, harness: SyncHarness, error: type[_StageError], timeout: float,
+        during: Callable[[RayRolloutReplica], None] | None = None, **faults: Any,
+    ) -> tuple[CheckpointEngineManager, RayRolloutReplica, RayRolloutReplica, _StageError,
+               float]:
         """Sync a healthy replica plus a new one whose server misbehaves as ``faults`` says
         (``during(broken)`` runs on a thread while the sync runs); check the sync raises
         ``error`` blaming the broken worker. Returns the manager, the healthy and the broken
@@ -481,12 +488,17 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         self._survivors_sync(harness, manager, healthy, broken)
 
     def test_frozen_receiver_is_blamed_within_the_timeout(self, harness: SyncHarness) -> None:
-        def freeze(broken) -> None:
+        def freeze(broken: RayRolloutReplica) -> None:
             worker = broken.workers[0]
-            pid = ray.get(worker.report.remote())["pid"]
+            # typed refs: Ray's stubs take an untyped actor call for a list of refs
+            report: ray.ObjectRef[dict[str, Any]] = worker.report.remote()
+            pid = ray.get(report)["pid"]
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # freeze it mid-sync, after a few tensors
-                progress = ray.get(worker.execute_checkpoint_engine.remote("sync_progress"))
+                call: ray.ObjectRef[dict[str, Any]] = worker.execute_checkpoint_engine.remote(
+                    "sync_progress"
+                )
+                progress = ray.get(call)
                 if progress["tensors"] >= 3:
                     break
                 time.sleep(0.02)
@@ -576,6 +588,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         try:
+            if outsider.stdout is None:  # stdout=PIPE makes it a pipe: None is a bug
+                raise RuntimeError("the outsider's stdout is not a pipe")
             # it has hit every port once; it goes on during and between the syncs
             assert outsider.stdout.readline().strip() == "ready"
             for step in (41, 42, 43):

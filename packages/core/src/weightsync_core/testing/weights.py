@@ -78,7 +78,7 @@ def make_weights(
 def digest(tensor: torch.Tensor) -> TensorDigest:
     """Shape, dtype and a 64-bit hash of the bytes: equal digests mean bit-exact tensors."""
     data = as_bytes(tensor.detach().cpu())
-    payload = memoryview(data.numpy()) if data.numel() else b""
+    payload = data.numpy().data if data.numel() else b""
     return tuple(tensor.shape), str(tensor.dtype), xxhash.xxh3_64_intdigest(payload)
 
 
