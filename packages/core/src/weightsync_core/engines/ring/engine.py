@@ -156,8 +156,7 @@ class RingCheckpointEngine(CheckpointEngine):
             await self._notify_abort(session, exc)
             raise
         finally:
-            self._keep_downstream_peer(session)
-            await session.close()
+            await self._end_session(session)
         return TransferStats(
             packer.num_tensors, packer.nbytes, packer.num_buckets, time.perf_counter() - start
         )
@@ -182,8 +181,7 @@ class RingCheckpointEngine(CheckpointEngine):
             await self._notify_abort(session, exc)
             raise
         finally:
-            self._keep_downstream_peer(session)
-            await session.close()
+            await self._end_session(session)
 
     def finalize(self) -> None:
         """End this sync. The transport, channel and (with ``keep_buffers``) the registered
@@ -232,17 +230,21 @@ class RingCheckpointEngine(CheckpointEngine):
         """This sync's session; one an earlier sync left running is superseded first."""
         if self._session is not None:
             self._session.supersede()
-        link = RingLink(self.channel, self.transport, self.local_slots, self.device,
-                        self.timeout, self.progress, self.describe(placement))
+        link = RingLink(self._endpoints, self.local_slots, self.device, self.timeout,
+                        self.progress, self.describe(placement))
         self._session = RingSession(link, placement)
         return self._session
 
-    def _keep_downstream_peer(self, session: RingSession) -> None:
-        """Remember the connection a sync made to its downstream neighbour (kept for the
-        next sync, or disconnected by :meth:`finalize` / :meth:`abort`)."""
+    async def _end_session(self, session: RingSession) -> None:
+        """Stop ``session``'s background work, and keep the connection it made to the
+        downstream neighbour (for the next sync, or for :meth:`finalize` / :meth:`abort` to
+        disconnect)."""
         peer = session.downstream_peer
         if peer is not None and session.placement.downstream is not None:
             self._peers[session.placement.downstream] = peer
+        await session.close()
+        if self._session is session:
+            self._session = None
 
     def _require_placement(self, *, sender: bool) -> Placement:
         placement = self._placement

@@ -15,7 +15,7 @@ import torch
 from weightsync_core.base import SyncProgress
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import BucketMeta
-from weightsync_core.channel import ControlChannel
+from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.engines.ring.messages import (
     Abort,
     BucketReady,
@@ -49,8 +49,10 @@ class RingLink:
     """What this process lends one ring sync (the engine builds it when the sync starts).
 
     Attributes:
-        channel: the process's control channel, keyed with this sync's session key.
-        transport: the process's transport endpoint (one-sided writes, connections).
+        endpoints: the process's control channel (keyed with this sync's session key) and
+            transport endpoint (one-sided writes, connections), reached through their owner:
+            a finished sync must not keep a closed engine's transport alive (NIXL releases
+            its agent, and the agent's listener, when the transport is dropped).
         slots: the process's registered bucket buffers.
         device: where the buckets live.
         timeout: the bound of every single wait, in seconds.
@@ -58,13 +60,22 @@ class RingLink:
         where: the process in error messages (``"NixlCheckpointEngine on rollout rank 1"``).
     """
 
-    channel: ControlChannel[RingMessage]
-    transport: PeerTransport
+    endpoints: PeerEndpoints[PeerTransport, RingMessage]
     slots: RegisteredSlots
     device: torch.device
     timeout: float
     progress: SyncProgress
     where: str
+
+    @property
+    def channel(self) -> ControlChannel[RingMessage]:
+        """The process's control channel."""
+        return self.endpoints.channel
+
+    @property
+    def transport(self) -> PeerTransport:
+        """The process's transport endpoint."""
+        return self.endpoints.transport
 
 
 class RingSession:
