@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import msgspec
+import pytest
 
+from weightsync_core import ConversionError
 from weightsync_vllm.transfer_engine import typed_arguments
 
 
@@ -42,3 +44,9 @@ def test_unannotated_or_unresolvable_arguments_pass_through():
 
     assert typed_arguments(stage, {"plan": {"x": 1}, "count": 2}) == {"plan": {"x": 1},
                                                                       "count": 2}
+
+
+def test_a_key_the_dataclass_lacks_is_refused():
+    with pytest.raises(ConversionError, match=r"unknown key 'rank' \(given 0\)"):
+        typed_arguments(init_process_group, {"plan": {"role": "leader", "owners": [], "rank": 0},
+                                             "key": b""})

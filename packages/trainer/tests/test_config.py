@@ -23,7 +23,7 @@ def test_dotted_overrides_reach_nested_dataclasses():
     config = load_config(overrides=[
         "rollout.checkpoint_engine.backend=nixl",
         "trainer.total_steps=20",
-        "actor.optim.lr=1e-3",  # YAML reads this as a string; a float field accepts it
+        "actor.optim.lr=1e-3",  # a float, as in YAML 1.2 (YAML 1.1 reads a string)
         "rollout.checkpoint_engine.engine_kwargs.nixl.device=cpu",
         "rollout.checkpoint_engine.custom_backend_module=[pkg_a.backend, pkg_b.backend]",
         "trainer.output_dir=null",
@@ -51,9 +51,9 @@ def test_yaml_file_then_overrides(tmp_path):
                              r"Did you mean trainer.total_steps"),
     ("rollout.checkpoint_engine.backnd=gloo", "Did you mean rollout.checkpoint_engine.backend"),
     ("trainr.total_steps=5", "Did you mean trainer"),
-    ("trainer.total_steps=many", r"trainer.total_steps must be int, got 'many'"),
-    ("trainer.total_steps=2.5", "trainer.total_steps must be int"),
-    ("rollout.checkpoint_engine.verify=maybe", "verify must be bool"),
+    ("trainer.total_steps=many", r"trainer.total_steps must be an integer, got 'many' \(str\)"),
+    ("trainer.total_steps=2.5", r"trainer.total_steps must be an integer, got 2\.5 \(float\)"),
+    ("rollout.checkpoint_engine.verify=maybe", "verify must be True or False"),
     ("trainer.total_steps=0", r"trainer.total_steps must be > 0, got 0"),
     ("algorithm.name=dpo", "algorithm.name must be one of grpo, ppo"),
     ("algorithm.lam=1.5", r"algorithm.lam must be in \[0, 1\]"),

@@ -80,9 +80,10 @@ def _measure(cluster: VerlCluster, manager_class: str | None, repeats: int) -> t
         manager.update_weights(global_steps=step)
         return {"sync": time.perf_counter() - start}
 
-    cluster.rollout.set_recording(False)
+    # a RayWorkerGroup binds its workers' @register methods at run time
+    cluster.rollout.set_recording(False)  # pyright: ignore[reportAttributeAccessIssue]
     seconds = median_seconds([sync], repeats)["sync"]
-    cluster.rollout.set_recording(True)
+    cluster.rollout.set_recording(True)  # pyright: ignore[reportAttributeAccessIssue]
     expected = cluster.perturb(repeats + 1)
     manager.update_weights(global_steps=repeats + 1)
     exact = all(report["received"] == expected for report in cluster.reports())

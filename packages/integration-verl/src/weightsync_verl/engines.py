@@ -21,9 +21,13 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine as VerlCheckpointEngine
 from verl.checkpoint_engine import CheckpointEngineRegistry as VerlRegistry
 
-from weightsync_core import CheckpointEngine, CheckpointEngineRegistry, TransferStats
-from weightsync_core.registry import BackendState
-from weightsync_core.wire import new_session_key
+from weightsync_core import (
+    BackendState,
+    CheckpointEngine,
+    CheckpointEngineRegistry,
+    TransferStats,
+    new_session_key,
+)
 
 __all__ = [
     "PREFIX",
@@ -114,7 +118,9 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
             "weightsync/seconds/send": self._stats.seconds,
         }
 
-    async def receive_weights(
+    # verl annotates receive_weights as a coroutine returning a Generator; its engines (and
+    # its CheckpointEngineWorker, which iterates with ``async for``) make it an async generator
+    async def receive_weights(  # pyright: ignore[reportIncompatibleMethodOverride]
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """The weightsync engine's received tensors, counted for :meth:`transfer_stats`."""
@@ -168,7 +174,8 @@ def register_backends() -> list[str]:
             adapter = type(f"Weightsync{backend.title().replace('_', '')}CheckpointEngine",
                            (WeightsyncCheckpointEngine,), {"backend": backend,
                                                            "__module__": __name__})
-            VerlRegistry.register(name)(adapter)
+            # verl's register is a plain function in the class body (no @staticmethod)
+            VerlRegistry.register(name)(adapter)  # pyright: ignore[reportAttributeAccessIssue]
         names.append(name)
     return names
 

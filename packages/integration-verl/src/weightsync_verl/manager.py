@@ -8,9 +8,8 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from weightsync_core import CheckpointEngineConfig
+from weightsync_core import CheckpointEngineConfig, awaitable_or_blocking
 from weightsync_core import CheckpointEngineManager as WeightsyncManager
-from weightsync_core.manager import awaitable_or_blocking
 from weightsync_verl.engines import weightsync_backend_name
 from weightsync_verl.groups import VerlWorkerGroup
 
@@ -83,11 +82,13 @@ class CheckpointEngineManager(WeightsyncManager):
         if self.verl_config.backend == "naive":
             await self._run_naive(global_steps)
             return {}
-        return await self._update_weights(global_steps, allow_manifest_change)
+        return await super().update_weights(
+            global_steps, allow_manifest_change=allow_manifest_change
+        )
 
     async def _run_naive(self, global_steps: int | None) -> None:
         calls = [(f"actor_wg rank {rank}",
                   worker.update_weights.remote(global_steps=global_steps, mode="naive"))
                  for rank, worker in enumerate(self.verl_actor_wg.workers)]
         deadline = asyncio.get_running_loop().time() + self.config.sync_timeout_seconds
-        await self._run_stage("transfer", calls, deadline)
+        await self.run_stage("transfer", calls, deadline)

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 import torch
+from verl.checkpoint_engine import CheckpointEngine as VerlCheckpointEngine
 from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
@@ -43,6 +44,12 @@ __all__ = [
     "make_manager",
     "save_tiny_model",
 ]
+
+
+# verl registers its dispatch modes at run time (``Dispatch`` is a ``DynamicEnum``), so they
+# are looked up by name, which is how verl's own ``Dispatch[...]`` resolves them.
+_ONE_TO_ALL = Dispatch["ONE_TO_ALL"]
+_DP_COMPUTE = Dispatch["DP_COMPUTE"]
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -94,26 +101,27 @@ class TrainerWorker(Worker):
 
     def __init__(self, config: CheckpointEngineConfig, weights: str) -> None:
         super().__init__()
-        self.checkpoint_engine = None
+        self.checkpoint_engine: VerlCheckpointEngine | None = None
         self.use_backend(config)
         self.weights = _load_weights(weights)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=_ONE_TO_ALL)
     def use_backend(self, config: CheckpointEngineConfig) -> None:
         """Build the engine ``config`` names, as verl's ``TrainingWorker`` does at start-up
         (the previous engine, if any, is closed: a scenario runs several backends on one
         set of workers)."""
         _close(self.checkpoint_engine)
         import_external_libs(config.custom_backend_module or None)
-        engine_kwargs = dict(config.engine_kwargs.get(config.backend, {}) or {})
+        backend = _backend(config)
+        engine_kwargs = dict(config.engine_kwargs.get(backend, {}) or {})
         if self.rank == 0:
             engine_kwargs["is_master"] = True
         self.checkpoint_engine = CheckpointEngineRegistry.new(
-            config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+            backend, bucket_size=config.update_weights_bucket_megabytes << 20,
             **engine_kwargs,
         )
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=_ONE_TO_ALL)
     def perturb(self, step: int) -> dict[str, str]:
         """Add step-seeded noise to every floating weight (the same on every rank); return
         the digests the replicas must end up with."""
@@ -123,16 +131,25 @@ class TrainerWorker(Worker):
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-3)
         return {name: digest(tensor) for name, tensor in self.weights.items()}
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    @register(dispatch_mode=_ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
         """As verl's test trainer: hand the per-tensor weights to the engine."""
-        await self.checkpoint_engine.send_weights(iter(self.weights.items()),
-                                                  global_steps=global_steps)
+        if self.checkpoint_engine is None:
+            raise RuntimeError("this trainer rank has no checkpoint engine: use_backend() first")
+        weights = ((name, tensor) for name, tensor in self.weights.items())
+        await self.checkpoint_engine.send_weights(weights, global_steps=global_steps)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+    @register(dispatch_mode=_DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call an engine method (verl's manager drives the engine through this)."""
         return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+
+def _backend(config: CheckpointEngineConfig) -> str:
+    """The engine name ``config`` sets (verl's config allows none)."""
+    if not config.backend:
+        raise ValueError("verl's CheckpointEngineConfig names no backend: set backend=")
+    return config.backend
 
 
 def _close(engine: Any) -> None:
@@ -146,7 +163,8 @@ class RecordingServerAdapter(BaseRollout):
     """verl's rollout interface, recording what each update delivered (digests)."""
 
     def __init__(self, config: RolloutConfig, model_config: HFModelConfig) -> None:
-        super().__init__(config, model_config, device_mesh=None)
+        # verl annotates device_mesh as a DeviceMesh; a rollout without one on CPU passes None
+        super().__init__(config, model_config, device_mesh=None)  # pyright: ignore[reportArgumentType]
         self.received: dict[str, str] = {}
         self.global_steps: list[int | None] = []
         self.recording = True
@@ -158,7 +176,12 @@ class RecordingServerAdapter(BaseRollout):
     async def release(self) -> None:
         """Nothing to release."""
 
-    async def update_weights(self, weights: AsyncIterator, **kwargs: Any) -> None:
+    # verl annotates weights as a Generator; its CheckpointEngineWorker passes the engine's
+    # async iterator
+    async def update_weights(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]],
+        wire_format: str = "named_tensors", **kwargs: Any,
+    ) -> None:
         """Digest every received tensor (only count them, with ``recording`` off)."""
         received = {}
         async for name, tensor in weights:
@@ -174,27 +197,37 @@ class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
         adapter = RecordingServerAdapter(rollout_config, model_config)
         super().__init__(rollout_config, model_config, adapter)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=_ONE_TO_ALL)
     def use_backend(self, config: CheckpointEngineConfig) -> None:
         """Build the engine ``config`` names, as verl's ``CheckpointEngineWorker`` does at
         start-up (closing the previous one)."""
         _close(self.checkpoint_engine)
         import_external_libs(config.custom_backend_module or None)
+        backend = _backend(config)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
-            config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
-            **(config.engine_kwargs.get(config.backend, {}) or {}),
+            backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+            **(config.engine_kwargs.get(backend, {}) or {}),
         )
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=_ONE_TO_ALL)
     def set_recording(self, recording: bool) -> None:
         """Digest received tensors (``True``) or only consume them."""
-        self.server_adapter.recording = recording
+        self._recorder().recording = recording
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=_ONE_TO_ALL)
     def report(self) -> dict[str, Any]:
         """What the last update delivered, and the versions seen so far."""
-        return {"received": self.server_adapter.received,
-                "global_steps": self.server_adapter.global_steps}
+        recorder = self._recorder()
+        return {"received": recorder.received, "global_steps": recorder.global_steps}
+
+    def _recorder(self) -> RecordingServerAdapter:
+        adapter = self.server_adapter
+        if not isinstance(adapter, RecordingServerAdapter):
+            raise TypeError(
+                f"{type(self).__name__} records through a RecordingServerAdapter, not a "
+                f"{type(adapter).__name__}"
+            )
+        return adapter
 
 
 class RecordingReplica(RolloutReplica):
@@ -214,7 +247,11 @@ class RecordingReplica(RolloutReplica):
 
 @dataclass
 class VerlCluster:
-    """The trainer group, the rollout group and its replicas of one scenario."""
+    """The trainer group, the rollout group and its replicas of one scenario.
+
+    (A ``RayWorkerGroup`` binds its workers' ``@register`` methods at run time, which verl's
+    types do not say: hence the ``pyright: ignore`` on those calls.)
+    """
 
     config: CheckpointEngineConfig
     actor_wg: RayWorkerGroup
@@ -232,17 +269,17 @@ class VerlCluster:
     def use_backend(self, config: CheckpointEngineConfig) -> None:
         """Rebuild every worker's engine for ``config`` (one set of workers, several
         backends)."""
-        self.actor_wg.use_backend(config)
-        self.rollout.use_backend(config)
+        self.actor_wg.use_backend(config)  # pyright: ignore[reportAttributeAccessIssue]
+        self.rollout.use_backend(config)  # pyright: ignore[reportAttributeAccessIssue]
         self.config = config
 
     def perturb(self, step: int) -> dict[str, str]:
         """New weights on every trainer rank; returns what every replica must receive."""
-        return self.actor_wg.perturb(step)[0]
+        return self.actor_wg.perturb(step)[0]  # pyright: ignore[reportAttributeAccessIssue]
 
     def reports(self) -> list[dict[str, Any]]:
         """Per rollout worker: what arrived (see :meth:`RecordingCheckpointEngineWorker.report`)."""
-        return self.rollout.report()
+        return self.rollout.report()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def make_cluster(

@@ -10,14 +10,17 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import ray
+from ray.actor import ActorHandle
 
 from weightsync_core import (
     CheckpointEngineConfig,
     CheckpointEngineManager,
     RayRolloutReplica,
     RayWorkerGroup,
+    ensure_ray,
 )
 from weightsync_core.bench.measure import (
     Measurement,
@@ -26,7 +29,6 @@ from weightsync_core.bench.measure import (
     method_rows,
     sync_seconds,
 )
-from weightsync_core.local_ray import ensure_ray
 from weightsync_vllm.model_source import ModelWeightsSource, save_qwen2
 from weightsync_vllm.worker import VLLMRolloutWorker
 
@@ -46,8 +48,7 @@ def model_shape(size_mb: int) -> dict[str, int]:
             "num_hidden_layers": layers, "num_attention_heads": 16}
 
 
-def disk_reload_seconds(source: ray.actor.ActorHandle, rollout: ray.actor.ActorHandle,
-                        directory: str) -> Measurement:
+def disk_reload_seconds(source: ActorHandle, rollout: ActorHandle, directory: str) -> Measurement:
     """A measurement of the baseline: ``source`` writes its weights as safetensors into
     ``directory``, then ``rollout`` reloads them with vLLM's ``reload_weights``."""
 
@@ -73,14 +74,15 @@ def run(backends: Sequence[str], size_mb: int, bucket_mb: int, repeats: int,
         configs = {name: bench_config(name, (engine_kwargs or {}).get(name, {}), bucket_mb)
                    for name in backends}
         first = configs[backends[0]]
-        rollout = ray.remote(num_cpus=0)(VLLMRolloutWorker).remote(
-            first, model_path, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-        sources = {name: ray.remote(num_cpus=0)(ModelWeightsSource).remote(config, model_path)
+        rollout = _spawn(VLLMRolloutWorker, first, model_path,
+                         env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        sources = {name: _spawn(ModelWeightsSource, config, model_path)
                    for name, config in configs.items()}
         try:
             ray.get([rollout.__ray_ready__.remote(),
                      *(source.__ray_ready__.remote() for source in sources.values())])
-            nbytes = ray.get(sources[backends[0]].weights_bytes.remote())
+            # a handle's remote methods are typed Never, so ray.get() cannot say what returns
+            nbytes = cast(int, ray.get(sources[backends[0]].weights_bytes.remote()))
             disk = Path(workdir) / "disk"
             disk.mkdir()
             measurements = [_over(name, configs[name], sources[name], rollout)
@@ -93,14 +95,20 @@ def run(backends: Sequence[str], size_mb: int, bucket_mb: int, repeats: int,
                 ray.kill(actor)
 
 
-def _over(name: str, config: CheckpointEngineConfig, source: ray.actor.ActorHandle,
-          rollout: ray.actor.ActorHandle) -> Measurement:
+def _spawn(cls: type, *args: Any, **kwargs: Any) -> ActorHandle:
+    """An actor of ``cls`` taking no CPU of Ray's (ray types ``.remote()`` as the handle or
+    the class itself; it is the handle)."""
+    return cast(ActorHandle, ray.remote(num_cpus=0)(cls).remote(*args, **kwargs))
+
+
+def _over(name: str, config: CheckpointEngineConfig, source: ActorHandle,
+          rollout: ActorHandle) -> Measurement:
     """One weightsync sync over backend ``name`` (the replica's engine switched to it)."""
     manager = CheckpointEngineManager(config, RayWorkerGroup([source]),
                                       [RayRolloutReplica([rollout])])
     timed = sync_seconds(manager, **{f"weightsync {name}": "total"})
 
-    def measure(step: int) -> dict[str, float]:
+    def measure(step: int) -> Mapping[str, float]:
         ray.get(rollout.set_checkpoint_engine.remote(config))
         return timed(step)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from weightsync_vllm.transfer_engine import WeightsyncTransferEngine
 
 __all__ = ["WeightsyncWorkerExtension"]
 
@@ -15,6 +18,14 @@ class WeightsyncWorkerExtension:
 
     def weightsync_call(self, method: str, kwargs: dict[str, Any]) -> Any:
         """Run ``method`` on this worker's weightsync weight-transfer engine."""
+        return self._weightsync_engine().call(method, kwargs)
+
+    def weightsync_last_stats(self) -> dict[str, float]:
+        """What the last update moved (tensors, bytes, seconds)."""
+        return dict(self._weightsync_engine().last_stats)
+
+    def _weightsync_engine(self) -> WeightsyncTransferEngine:
+        """vLLM's worker's ``weight_transfer_engine``, which must be weightsync's."""
         from weightsync_vllm.transfer_engine import WeightsyncTransferEngine
 
         engine = getattr(self, "weight_transfer_engine", None)
@@ -23,8 +34,4 @@ class WeightsyncWorkerExtension:
                 "this vLLM engine's weight transfer is not weightsync's; build it with "
                 "weight_transfer_config=WeightTransferConfig(backend='weightsync')"
             )
-        return engine.call(method, kwargs)
-
-    def weightsync_last_stats(self) -> dict[str, float]:
-        """What the last update moved (tensors, bytes, seconds)."""
-        return dict(self.weight_transfer_engine.last_stats)
+        return engine

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import typing
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -27,7 +27,12 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
-from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker, WeightSyncError
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineWorker,
+    WeightSyncError,
+    convert,
+)
 from weightsync_vllm.event_loop import EventLoopThread
 
 __all__ = ["WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
@@ -58,8 +63,23 @@ def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dic
         hints = typing.get_type_hints(function)
     except (NameError, TypeError):  # annotations that do not resolve here: left as sent
         return kwargs
-    return {name: msgspec.convert(value, hints[name]) if name in hints else value
+    return {name: _typed(value, hints[name]) if name in hints else value
             for name, value in kwargs.items()}
+
+
+def _typed(value: Any, hint: Any) -> Any:
+    """``value`` as ``hint``: a dataclass through weightsync's strict converter (which also
+    refuses a key the dataclass does not have), any other type through msgspec's."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return convert(value, hint)
+    return msgspec.convert(value, hint, strict=True)
+
+
+@runtime_checkable
+class _LoadsWeights(Protocol):
+    """A vLLM model (vLLM types the engine's target model as a plain ``torch.nn.Module``)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
 
 
 class _ModelLoader:
@@ -72,11 +92,21 @@ class _ModelLoader:
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
+        model = self.engine.model
+        if not isinstance(model, _LoadsWeights):
+            raise TypeError(
+                f"the weight-update target {type(model).__name__} has no load_weights(); "
+                "weightsync loads received tensors through it"
+            )
         async for name, tensor in weights:
-            self.engine.model.load_weights([(name, tensor)])
+            model.load_weights([(name, tensor)])
 
 
-class WeightsyncTransferEngine(WeightTransferEngine[CheckpointEngineConfig, WeightsyncUpdateInfo]):
+# vLLM bounds the init info by its empty marker base WeightTransferInitInfo; weightsync's
+# CheckpointEngineConfig is the init info as it is (vLLM builds it with init_info_cls(**dict))
+class WeightsyncTransferEngine(
+    WeightTransferEngine[CheckpointEngineConfig, WeightsyncUpdateInfo]  # pyright: ignore[reportInvalidTypeArguments]
+):
     """A vLLM weight-transfer engine that receives over any installed weightsync backend.
 
     Its init info is a :class:`~weightsync_core.CheckpointEngineConfig` (as a dict: ``backend``,

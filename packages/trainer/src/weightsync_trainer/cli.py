@@ -46,7 +46,7 @@ def _output_dir(config: ExperimentConfig) -> Path:
 
 
 def _start_ray(config: ExperimentConfig) -> None:
-    from weightsync_core.local_ray import ensure_ray
+    from weightsync_core import ensure_ray
 
     ensure_ray(num_cpus=config.trainer.ray_num_cpus or os.cpu_count() or 1)
 

@@ -1,17 +1,17 @@
 """Build an :class:`ExperimentConfig` from the packaged YAML defaults, an optional YAML file and
 dotted ``key=value`` overrides (``rollout.checkpoint_engine.backend=nixl``).
 
-Every key is checked against the dataclasses: an unknown key is refused with the closest valid
-names, a value of the wrong type with the expected type. Values are parsed as YAML
-(``null``, ``true``, ``[a, b]``, ``{}``); numbers written like ``1e-3`` are accepted for floats.
+Every key is checked against the dataclasses (with weightsync-core's strict converter): an
+unknown key is refused with the closest valid names, a value of the wrong type with what the
+field accepts. Values are parsed as YAML (``null``, ``true``, ``[a, b]``, ``{}``); numbers
+written like ``1e-3`` are floats (as in YAML 1.2).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
-import typing
+import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
@@ -19,17 +19,46 @@ from typing import Any
 
 import yaml
 
+from weightsync_core import ConversionError, convert
 from weightsync_trainer.config import ExperimentConfig
 from weightsync_trainer.errors import ConfigError
 
 __all__ = ["apply_override", "build_config", "config_to_dict", "default_config_dict",
            "load_config"]
 
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_FLOAT = re.compile(
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.VERBOSE,
+)
+"""YAML 1.1's floats, and YAML 1.2's without a dot or an exponent sign (``1e-3``, ``1.0e3``)."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-3`` as a float (YAML 1.1 reads it as a string)."""
+
+
+# The safe loader's resolvers, its float pattern replaced in place (it is tried before the
+# integer one, for the same first characters: ``-+0123456789.``).
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, _FLOAT if tag == _FLOAT_TAG else regexp) for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader: plain data only
+
 
 def default_config_dict() -> dict[str, Any]:
     """The packaged defaults (``default.yaml``) as a nested dict."""
     text = resources.files("weightsync_trainer").joinpath("default.yaml").read_text()
-    return yaml.safe_load(text)
+    return _load_yaml(text)
 
 
 def load_config(
@@ -41,7 +70,7 @@ def load_config(
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _load_yaml(path.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a YAML mapping at top level")
         _merge(data, loaded)
@@ -62,7 +91,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if any(not part for part in parts):
         raise ConfigError(f"override {override!r}: {key!r} is not a valid dotted key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({exc})") from exc
     node = data
@@ -78,8 +107,19 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 
 def build_config(data: Mapping[str, Any]) -> ExperimentConfig:
-    """Build and validate an :class:`ExperimentConfig` from a nested dict."""
-    return _build_dataclass(ExperimentConfig, data, "")
+    """Build and validate an :class:`ExperimentConfig` from a nested dict.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, or a value the configuration's
+            checks refuse; the message names the key.
+    """
+    try:
+        return convert(data, ExperimentConfig)
+    except ConversionError as exc:
+        own = _trainer_error(exc)
+        if own is not None:
+            raise own from None  # the configuration's own check: its message names the key
+        raise _config_error(exc) from exc
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -95,87 +135,33 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
             base[key] = value
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def _trainer_error(exc: BaseException) -> ConfigError | None:
+    """The :class:`ConfigError` a configuration dataclass raised, behind ``exc``, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ConfigError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
-def _build_dataclass(cls: type, data: Any, path: str) -> Any:
-    where = path or "the configuration"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where} must be a mapping of keys, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = [key for key in data if key not in fields]
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), fields, n=3)
-        hint = f" Did you mean {' or '.join(_join(path, c) for c in close)}?" if close else ""
-        raise ConfigError(
-            f"unknown configuration key {_join(path, str(key))!r}.{hint} Valid keys under "
-            f"{where}: {', '.join(sorted(fields))}"
+def _config_error(exc: ConversionError) -> ConfigError:
+    """``exc`` worded for a configuration key."""
+    section = ".".join(exc.path[:-1] if exc.kind == "unknown" else exc.path)
+    where = section or "the configuration"
+    if exc.kind == "unknown":
+        # difflib's own cutoff (0.6): core's looser one offers every key sharing a few letters
+        close = difflib.get_close_matches(exc.path[-1], exc.choices, n=3)
+        names = [".".join((*exc.path[:-1], name)) for name in close]
+        hint = f" Did you mean {' or '.join(names)}?" if names else ""
+        return ConfigError(
+            f"unknown configuration key {exc.where!r}.{hint} Valid keys under {where}: "
+            f"{', '.join(exc.choices)}"
         )
-    hints = typing.get_type_hints(cls)
-    kwargs = {key: _coerce(data[key], hints[key], _join(path, key)) for key in data}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid value in {where}: {exc}") from exc
-
-
-def _describe(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, path)
-            except ConfigError as exc:
-                errors.append(exc)
-        raise ConfigError(
-            f"{path} must be {_describe(tp)}, got {value!r}"
-        ) from (errors[0] if errors else None)
-    if dataclasses.is_dataclass(tp):
-        return _build_dataclass(tp, value, path)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return value
-    elif origin is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        if isinstance(value, list):
-            return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    else:  # pragma: no cover - a field type this loader does not know
-        raise ConfigError(f"{path}: unsupported field type {_describe(tp)}")
-    raise ConfigError(
-        f"{path} must be {_describe(tp)}, got {value!r} ({type(value).__name__})"
-    )
+    if exc.kind == "type":
+        return ConfigError(
+            f"{where} must be {exc.expected}, got {exc.value!r} ({type(exc.value).__name__})"
+        )
+    return ConfigError(f"invalid value in {where}: {exc.reason}")

@@ -221,7 +221,8 @@ class LLMServerManager:
 
     def shutdown(self) -> None:
         """Stop the balancer and the rollout workers this manager started."""
-        ray.kill(self.load_balancer)
+        # ray.remote(cls).remote() is typed ActorProxy, which ray.kill does not name
+        ray.kill(self.load_balancer)  # pyright: ignore[reportArgumentType]
         if not self.colocated:
             for replica in self.replicas:
                 for worker in replica.workers:

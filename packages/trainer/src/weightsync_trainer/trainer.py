@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -28,6 +28,8 @@ from weightsync_trainer.workers.critic import CriticWorker
 __all__ = ["RayPPOTrainer"]
 
 StepCallback = Callable[[dict[str, float]], None]
+
+T = TypeVar("T")
 
 
 def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -119,8 +121,9 @@ class RayPPOTrainer:
         group_size = self.config.algorithm.group_size
         prompts = self.task.sample_prompts(self.config.trainer.prompts_per_step, self._generator)
         base_seed = (self.config.trainer.seed * 1_000_003 + step) * 10_000
+        client = self._started(self.client, "client")
         responses = torch.cat(await asyncio.gather(*(
-            self.client.generate(
+            client.generate(
                 prompt.expand(group_size, -1).contiguous(),
                 request_id=f"step{step}-prompt{index}",
                 seed=base_seed + index * group_size,
@@ -137,8 +140,9 @@ class RayPPOTrainer:
         algorithm = self.config.algorithm
         if not self.config.uses_critic:
             return grpo_advantages(rewards, algorithm.group_size, length), {}
+        critic_wg = self._started(self.critic_wg, "critic_wg")
         values = torch.cat(await asyncio.gather(
-            *self.critic_wg.call_split("compute_values", input_ids, response_length=length)
+            *critic_wg.call_split("compute_values", input_ids, response_length=length)
         ))
         token_rewards = torch.zeros_like(values)
         token_rewards[:, -1] = rewards
@@ -147,19 +151,22 @@ class RayPPOTrainer:
 
     async def train_step(self, step: int) -> dict[str, float]:
         """One step; returns its metrics (reward, losses, timings and the sync's metrics)."""
+        actor_wg = self._started(self.actor_wg, "actor_wg")
+        checkpoint_manager = self._started(self.checkpoint_manager, "checkpoint_manager")
         start = time.perf_counter()
         input_ids, responses = await self.generate(step)
         rewards = self.task.reward(responses)
         generated = time.perf_counter()
         advantages, critic_batch = await self._advantages(input_ids, rewards)
-        calls = [asyncio.gather(*self.actor_wg.call_split(
+        calls = [asyncio.gather(*actor_wg.call_split(
             "update_policy", {"input_ids": input_ids, "advantages": advantages}
         ))]
         if critic_batch:
-            calls.append(asyncio.gather(*self.critic_wg.call_split("update_critic", critic_batch)))
+            critic_wg = self._started(self.critic_wg, "critic_wg")
+            calls.append(asyncio.gather(*critic_wg.call_split("update_critic", critic_batch)))
         updates = await asyncio.gather(*calls)
         trained = time.perf_counter()
-        sync = await self.checkpoint_manager.update_weights(global_steps=step)
+        sync = await checkpoint_manager.update_weights(global_steps=step)
         metrics: dict[str, float] = {
             "step": step,
             "reward/mean": rewards.mean().item(),
@@ -198,19 +205,30 @@ class RayPPOTrainer:
 
     def save_weights(self, directory: str) -> str:
         """Save the actor's final weights (safetensors + config.json) into ``directory``."""
-        paths = ray.get(self.actor_wg.call_all("save_weights", directory))
+        actor_wg = self._started(self.actor_wg, "actor_wg")
+        paths = ray.get(actor_wg.call_all("save_weights", directory))
         return paths[0]
 
     def weights_checksums(self) -> dict[str, Any]:
         """Digest of the actor's weights and of the weights each rollout worker serves."""
-        actor = ray.get(self.actor_wg.call_all("weights_checksum"))[0]
-        if self.server_manager.colocated:
-            rollout = ray.get(self.actor_wg.call_all("rollout_weights_checksum"))
+        actor_wg = self._started(self.actor_wg, "actor_wg")
+        server_manager = self._started(self.server_manager, "server_manager")
+        actor = ray.get(actor_wg.call_all("weights_checksum"))[0]
+        if server_manager.colocated:
+            rollout = ray.get(actor_wg.call_all("rollout_weights_checksum"))
         else:
             rollout = ray.get([worker.weights_checksum.remote()
-                               for replica in self.server_manager.replicas
+                               for replica in server_manager.replicas
                                for worker in replica.workers])
         return {"actor": actor, "rollout": rollout}
+
+    def _started(self, value: T | None, name: str) -> T:
+        """``value`` (the trainer's attribute ``name``), which :meth:`init_workers` sets."""
+        if value is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{name} is not set: call init_workers() first"
+            )
+        return value
 
     def shutdown(self) -> None:
         """Stop every worker this trainer started."""

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import PretrainedConfig
 
-from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry
-from weightsync_core.bucketing import WeightsSource
+from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -42,7 +42,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         self.init_checkpoint_engine(engine_config, server_adapter=colocated)
 
     def iter_weights(self) -> WeightsSource:
-        return full_parameters(self.model)
+        return full_parameters(self._built_model())
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +
@@ -50,14 +50,13 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         input_ids, advantages = batch["input_ids"], batch["advantages"]
         length = advantages.shape[1]
         temperature = self.config.temperature
-        self.model.eval()
+        model = self._built_model()
+        model.eval()
         with torch.no_grad():
-            old_log_probs, _ = response_log_probs(self.model, input_ids, length, temperature)
+            old_log_probs, _ = response_log_probs(model, input_ids, length, temperature)
 
         def loss_fn(rows: slice):
-            log_probs, entropy = response_log_probs(
-                self.model, input_ids[rows], length, temperature
-            )
+            log_probs, entropy = response_log_probs(model, input_ids[rows], length, temperature)
             loss, clip_fraction = policy_loss(
                 log_probs, old_log_probs[rows], advantages[rows], self.config.algorithm.clip_ratio
             )
@@ -94,9 +93,10 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         """Write ``model.safetensors`` and ``config.json`` (loadable with
         ``from_pretrained``) into ``directory``. Collective: every rank gathers each tensor in
         turn, rank 0 keeps them and writes; returns the file path on rank 0."""
+        model = self._built_model()
         tensors = {
             name: tensor.contiguous().clone()
-            for name, tensor in full_parameters(self.model)
+            for name, tensor in full_parameters(model)
             if self.rank == 0
         }
         if self.rank != 0:
@@ -104,7 +104,13 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        self.model.config.to_json_file(str(path / "config.json"))
+        config = getattr(model, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(
+                f"save_weights writes a Hugging Face model; {type(model).__name__} has no "
+                "PretrainedConfig in .config"
+            )
+        config.to_json_file(str(path / "config.json"))
         return str(path / "model.safetensors")
 
     def worker_info(self) -> dict[str, Any]:
@@ -113,9 +119,15 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
                 "engine_class": f"{engine.__module__}.{engine.__qualname__}"}
 
     def _colocated_server(self) -> HFGenerationServer:
-        if self.colocated_server_adapter is None:
+        server = self.colocated_server_adapter
+        if server is None:
             raise RuntimeError(
                 "this actor rank serves no rollout: generation runs in the actor process only "
                 "with a colocated backend (rollout.checkpoint_engine.backend=naive)"
             )
-        return self.colocated_server_adapter
+        if not isinstance(server, HFGenerationServer):
+            raise TypeError(
+                f"{type(self).__name__} generates through an HFGenerationServer, but its "
+                f"colocated server adapter is a {type(server).__name__}"
+            )
+        return server

@@ -21,12 +21,12 @@ class CriticWorker(TrainingWorker):
         return build_value_model(self.config.model)
 
     def _values(self, input_ids: torch.Tensor, response_length: int) -> torch.Tensor:
-        scores = self.model(input_ids=input_ids).logits[..., 0].float()
+        scores = self._built_model()(input_ids=input_ids).logits[..., 0].float()
         return scores[:, -response_length - 1 : -1]
 
     def compute_values(self, input_ids: torch.Tensor, response_length: int) -> torch.Tensor:
         """``[batch, response_length]`` values for this rank's shard (collective)."""
-        self.model.eval()
+        self._built_model().eval()
         with torch.no_grad():
             return self._values(input_ids, response_length)
 

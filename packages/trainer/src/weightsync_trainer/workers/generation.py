@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import torch
+from transformers import GenerationMixin
 
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
@@ -25,7 +26,13 @@ class HFGenerationServer:
     """
 
     def __init__(self, model: ModelConfig, temperature: float) -> None:
-        self.model = build_policy_model(model).eval()
+        policy = build_policy_model(model).eval()
+        if not isinstance(policy, GenerationMixin):
+            raise TypeError(
+                f"model_type {model.model_type!r} builds a {type(policy).__name__}, which "
+                "cannot generate (not a transformers GenerationMixin)"
+            )
+        self.model = policy
         self.temperature = temperature
         self.weights_version: int | None = None
         self._serving = asyncio.Event()
@@ -38,7 +45,8 @@ class HFGenerationServer:
         await self._serving.wait()
         torch.manual_seed(seed)
         with torch.no_grad():
-            output = self.model.generate(
+            # transformers types generate()'s self as a protocol its own models do not match
+            output = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
                 prompt_ids,
                 attention_mask=torch.ones_like(prompt_ids),
                 do_sample=True,

@@ -34,11 +34,20 @@ class RolloutWorker(CheckpointEngineWorker):
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
     ) -> torch.Tensor:
         """Sample responses for ``prompt_ids`` (``[batch, prompt_length]``)."""
-        return await self.server_adapter.generate(prompt_ids, response_length, seed)
+        return await self._server().generate(prompt_ids, response_length, seed)
 
     def weights_checksum(self) -> str:
         """Digest of the weights this worker serves."""
-        return self.server_adapter.weights_checksum()
+        return self._server().weights_checksum()
+
+    def _server(self) -> HFGenerationServer:
+        server = self.server_adapter
+        if not isinstance(server, HFGenerationServer):
+            raise TypeError(
+                f"{type(self).__name__} generates through an HFGenerationServer, but its "
+                f"server adapter is {type(server).__name__}"
+            )
+        return server
 
     def worker_info(self) -> dict[str, Any]:
         """Process id and the engine class this process built."""

@@ -73,6 +73,15 @@ class TrainingWorker:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
+    def _built_model(self) -> torch.nn.Module:
+        """The sharded model of this rank (after :meth:`init_model`)."""
+        if self.model is None:
+            raise RuntimeError(
+                f"{type(self).__name__} rank {self.rank} has no model yet: call init_model() "
+                "first"
+            )
+        return self.model
+
     def build_model(self) -> torch.nn.Module:
         """The unsharded model of this role."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
@@ -106,18 +115,25 @@ class TrainingWorker:
         size = batch_size // algorithm.ppo_mini_batches
         sums: dict[str, float] = {}
         count = 0
-        self.model.train()
+        model = self._built_model()
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} rank {self.rank} has no optimizer yet: call "
+                "init_model() first"
+            )
+        optimizer = self.optimizer
+        model.train()
         for _ in range(algorithm.ppo_epochs):
             for start in range(0, batch_size, size):
                 loss, metrics = loss_fn(slice(start, start + size))
-                self.optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.optim.max_grad_norm
+                    model.parameters(), self.config.optim.max_grad_norm
                 )
                 if isinstance(norm, DTensor):
                     norm = norm.full_tensor()
-                self.optimizer.step()
+                optimizer.step()
                 metrics = {**metrics, f"{self.role}/grad_norm": norm}
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
@@ -126,7 +142,7 @@ class TrainingWorker:
 
     def weights_checksum(self) -> str:
         """Digest of the full weights (collective: call on every rank)."""
-        return weights_digest(full_parameters(self.model))
+        return weights_digest(full_parameters(self._built_model()))
 
     def get_extra_context(self) -> dict[str, Any]:
         """The ``extra_context`` this process received."""

@@ -1,7 +1,8 @@
 """A custom backend named only in ``custom_backend_module``: gloo under another name."""
 
 from weightsync_core import CheckpointEngineRegistry
-from weightsync_core.engines import GlooCheckpointEngine
+
+GlooCheckpointEngine = CheckpointEngineRegistry.get("gloo")
 
 
 @CheckpointEngineRegistry.register("trainer_test_gloo")
