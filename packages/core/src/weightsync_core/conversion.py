@@ -43,7 +43,9 @@ class ConversionError(ValueError):
         expected: what the field accepts, in words (``kind == "type"``).
         reason: the structure's own words (``kind == "invalid"``).
         choices: the valid names beside an unknown key (``kind == "unknown"``).
-        close: the valid names closest to an unknown key, best first.
+        close: the valid names closest to an unknown key, best first (dotted paths).
+        error: the exception the structure's own checks raised (``kind == "invalid"``), for
+            callers whose structures raise errors of their own type.
     """
 
     kind: Literal["unknown", "type", "invalid"]
@@ -53,6 +55,7 @@ class ConversionError(ValueError):
     reason: str = ""
     choices: tuple[str, ...] = ()
     close: tuple[str, ...] = ()
+    error: BaseException | None = None
 
     def __post_init__(self) -> None:
         super().__init__(str(self))
@@ -84,7 +87,7 @@ def convert(data: Any, target: type[T]) -> T:
     try:
         return msgspec.convert(data, target, strict=True)
     except msgspec.ValidationError as exc:
-        raise _explain(str(exc), data, target) from None
+        raise _explain(str(exc), data, target, exc.__cause__ or exc.__context__) from None
 
 
 def describe_type(hint: Any) -> str:
@@ -128,7 +131,7 @@ def _refuse_unknown_keys(data: Any, target: type, path: tuple[str, ...]) -> None
     hints = get_type_hints(target)
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), sorted(fields), n=3, cutoff=0.5)
+            close = difflib.get_close_matches(str(key), sorted(fields), n=3)
             raise ConversionError(
                 "unknown", (*path, str(key)), value, choices=tuple(sorted(fields)),
                 close=tuple(".".join((*path, name)) for name in close),
@@ -138,13 +141,14 @@ def _refuse_unknown_keys(data: Any, target: type, path: tuple[str, ...]) -> None
             _refuse_unknown_keys(value, nested, (*path, key))
 
 
-def _explain(message: str, data: Any, target: type) -> ConversionError:
+def _explain(message: str, data: Any, target: type, error: BaseException | None
+             ) -> ConversionError:
     """Turn msgspec's message into the field it concerns, what it accepts and what it got."""
     located = _PATH.search(message)
     text = message[: located.start()] if located else message
     names = _FIELD.findall(located.group(1).split("[", 1)[0]) if located else []
     if not (text.startswith("Expected `") or text.startswith("Invalid enum value")):
-        return ConversionError("invalid", tuple(names), reason=text)
+        return ConversionError("invalid", tuple(names), reason=text, error=error)
     hint: Any = target
     value = data
     for name in names:

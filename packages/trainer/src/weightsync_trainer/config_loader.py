@@ -10,7 +10,6 @@ written like ``1e-3`` are floats (as in YAML 1.2).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -116,9 +115,8 @@ def build_config(data: Mapping[str, Any]) -> ExperimentConfig:
     try:
         return convert(data, ExperimentConfig)
     except ConversionError as exc:
-        own = _trainer_error(exc)
-        if own is not None:
-            raise own from None  # the configuration's own check: its message names the key
+        if isinstance(exc.error, ConfigError):
+            raise exc.error from None  # the configuration's own check: it names the key
         raise _config_error(exc) from exc
 
 
@@ -135,27 +133,12 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> None:
             base[key] = value
 
 
-def _trainer_error(exc: BaseException) -> ConfigError | None:
-    """The :class:`ConfigError` a configuration dataclass raised, behind ``exc``, if any."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, ConfigError):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
 def _config_error(exc: ConversionError) -> ConfigError:
     """``exc`` worded for a configuration key."""
     section = ".".join(exc.path[:-1] if exc.kind == "unknown" else exc.path)
     where = section or "the configuration"
     if exc.kind == "unknown":
-        # difflib's own cutoff (0.6): core's looser one offers every key sharing a few letters
-        close = difflib.get_close_matches(exc.path[-1], exc.choices, n=3)
-        names = [".".join((*exc.path[:-1], name)) for name in close]
-        hint = f" Did you mean {' or '.join(names)}?" if names else ""
+        hint = f" Did you mean {' or '.join(exc.close)}?" if exc.close else ""
         return ConfigError(
             f"unknown configuration key {exc.where!r}.{hint} Valid keys under {where}: "
             f"{', '.join(exc.choices)}"

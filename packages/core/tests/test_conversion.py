@@ -1,0 +1,75 @@
+"""weightsync_core.convert: strict, typed, and its refusals name the field."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from weightsync_core import ConversionError, convert
+
+
+class OwnError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Inner:
+    count: int = 1
+    rate: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise OwnError(f"count must be >= 1, got {self.count}")
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    mode: Literal["a", "b"] = "a"
+    flag: bool = False
+    names: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def test_builds_nested_structures_and_takes_an_int_for_a_float():
+    built = convert({"inner": {"count": 3, "rate": 2}, "names": ["x"], "env": {"A": "1"}}, Outer)
+    assert built == Outer(Inner(3, 2.0), names=["x"], env={"A": "1"})
+    assert isinstance(built.inner.rate, float)
+
+
+@pytest.mark.parametrize(("data", "path", "expected", "value"), [
+    ({"flag": "false"}, ("flag",), "True or False", "false"),
+    ({"inner": {"count": True}}, ("inner", "count"), "an integer", True),
+    ({"inner": {"count": "5"}}, ("inner", "count"), "an integer", "5"),
+    ({"mode": "c"}, ("mode",), "one of 'a', 'b'", "c"),
+    ({"env": {"A": 1}}, ("env",), "a mapping of a string to a string", {"A": 1}),
+    ({"names": ["x", 2]}, ("names",), "a list of a string", ["x", 2]),
+    ({"inner": 3}, ("inner",), "a mapping of keys", 3),
+])
+def test_a_wrong_type_names_the_field_what_it_accepts_and_what_was_given(
+        data, path, expected, value):
+    with pytest.raises(ConversionError) as raised:
+        convert(data, Outer)
+    error = raised.value
+    assert (error.kind, error.path, error.expected, error.value) == ("type", path, expected,
+                                                                     value)
+    assert str(error).startswith(f"{'.'.join(path)} must be {expected}, got {value!r}")
+
+
+def test_an_unknown_key_anywhere_is_refused_with_the_closest_names():
+    with pytest.raises(ConversionError) as raised:
+        convert({"inner": {"cuont": 2}}, Outer)
+    error = raised.value
+    assert (error.kind, error.path, error.value) == ("unknown", ("inner", "cuont"), 2)
+    assert error.close == ("inner.count",) and error.choices == ("count", "rate")
+    assert "Did you mean 'inner.count'?" in str(error)
+
+
+def test_the_structures_own_check_keeps_its_words_and_its_exception():
+    with pytest.raises(ConversionError) as raised:
+        convert({"inner": {"count": 0}}, Outer)
+    error = raised.value
+    assert (error.kind, error.path) == ("invalid", ("inner",))
+    assert error.reason == "count must be >= 1, got 0"
+    assert isinstance(error.error, OwnError)
+    assert isinstance(error, ValueError)
