@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +27,9 @@ from weightsync_core.verification import ManifestGuard
 __all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine"]
 
 _BLOCKING_METHODS = frozenset({"init_process_group", "finalize", "abort"})
+
+
+AdapterT = TypeVar("AdapterT")
 
 
 def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
@@ -155,6 +158,18 @@ class CheckpointEngineWorker:
         self.weights_version: int | None = None
         self.update_complete = True
         self.manifest_guard = ManifestGuard()
+
+    def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
+        """This worker's server adapter, which must be a ``kind``.
+
+        Raises:
+            TypeError: it is something else (or there is none), naming both.
+        """
+        adapter = self.server_adapter
+        if not isinstance(adapter, kind):
+            raise TypeError(f"{type(self).__name__} works through a {kind.__name__}, but its "
+                            f"server adapter is {type(adapter).__name__}")
+        return adapter
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""

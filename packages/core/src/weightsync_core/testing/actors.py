@@ -136,13 +136,7 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         return process_resources()
 
     def _recorder(self) -> RecordingServerAdapter:
-        adapter = self.server_adapter
-        if not isinstance(adapter, RecordingServerAdapter):
-            raise TypeError(
-                f"{type(self).__name__} records through a RecordingServerAdapter, not a "
-                f"{type(adapter).__name__}"
-            )
-        return adapter
+        return self.server_adapter_of(RecordingServerAdapter)
 
 
 class WeightSourceActor(ActorCheckpointEngineMixin):

@@ -41,13 +41,7 @@ class RolloutWorker(CheckpointEngineWorker):
         return self._server().weights_checksum()
 
     def _server(self) -> HFGenerationServer:
-        server = self.server_adapter
-        if not isinstance(server, HFGenerationServer):
-            raise TypeError(
-                f"{type(self).__name__} generates through an HFGenerationServer, but its "
-                f"server adapter is {type(server).__name__}"
-            )
-        return server
+        return self.server_adapter_of(HFGenerationServer)
 
     def worker_info(self) -> dict[str, Any]:
         """Process id and the engine class this process built."""
