@@ -20,6 +20,7 @@ import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
+    WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 from vllm.model_executor.model_loader.reload import (
@@ -35,13 +36,20 @@ from weightsync_core import (
 )
 from weightsync_vllm.event_loop import EventLoopThread
 
-__all__ = ["WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
+__all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
 logger = logging.getLogger(__name__)
 
 _STAGE_MARGIN_SECONDS = 5.0
 """Extra time a call into the engine gets beyond the sync timeout, so that the engine's own
 timeout (which names the peer it waited for) fires first."""
+
+
+@dataclasses.dataclass
+class WeightsyncInitInfo(CheckpointEngineConfig, WeightTransferInitInfo):
+    """The init info: a :class:`~weightsync_core.CheckpointEngineConfig` (its fields, as vLLM
+    passes them: ``backend``, ``update_weights_bucket_megabytes``, ``engine_kwargs``,
+    ``sync_timeout_seconds``, ``verify``, ...) that is also vLLM's init-info type."""
 
 
 @dataclasses.dataclass
@@ -102,14 +110,11 @@ class _ModelLoader:
             model.load_weights([(name, tensor)])
 
 
-# vLLM bounds the init info by its empty marker base WeightTransferInitInfo; weightsync's
-# CheckpointEngineConfig is the init info as it is (vLLM builds it with init_info_cls(**dict))
-class WeightsyncTransferEngine(
-    WeightTransferEngine[CheckpointEngineConfig, WeightsyncUpdateInfo]  # pyright: ignore[reportInvalidTypeArguments]
-):
+class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
     """A vLLM weight-transfer engine that receives over any installed weightsync backend.
 
-    Its init info is a :class:`~weightsync_core.CheckpointEngineConfig` (as a dict: ``backend``,
+    Its init info is :class:`WeightsyncInitInfo`, a
+    :class:`~weightsync_core.CheckpointEngineConfig` (as a dict: ``backend``,
     ``update_weights_bucket_megabytes``, ``engine_kwargs``, ``sync_timeout_seconds``,
     ``verify``, ...). Its update info is :class:`WeightsyncUpdateInfo`. The weightsync
     engine's own stages (``prepare``, ``init_process_group``, ``finalize``, ...) are run by
@@ -117,7 +122,7 @@ class WeightsyncTransferEngine(
     to ``collective_rpc``.
     """
 
-    init_info_cls = CheckpointEngineConfig
+    init_info_cls = WeightsyncInitInfo
     update_info_cls = WeightsyncUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -140,7 +145,7 @@ class WeightsyncTransferEngine(
     def _timeout(self) -> float:
         return self.worker.config.sync_timeout_seconds + _STAGE_MARGIN_SECONDS
 
-    def init_transfer_engine(self, init_info: CheckpointEngineConfig) -> None:
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         """Build the configured weightsync backend in this process (a second call replaces
         the first engine, closing it)."""
         self._close_engine()
