@@ -93,7 +93,8 @@ class _NetworkFaults:
     def test_partition_between_two_replica_hosts(self, testbed, harness) -> None:
         testbed.partition("r0", "r1")
         try:
-            self._sync_under_fault(testbed, harness, "partition r0 | r1", 103, {"r0", "r1"})
+            self._sync_under_fault(testbed, harness, "partition r0 | r1", 103, {"r0", "r1"},
+                                   timeout=10)
         finally:
             testbed.heal("r0", "r1")
         self._next_sync_exact(harness, 104)
