@@ -40,6 +40,13 @@ def test_standard_profile_roundtrips_bit_exact():
     assert [name for name, _, _ in packer.manifest] == list(weights)
 
 
+def test_the_packers_byte_count_is_the_tensors_bytes_without_alignment():
+    # what a sync reports as weightsync/bytes: one copy of the weights, not the padding
+    weights = make_weights(seed=9, bucket_size=BUCKET)
+    _, packer = roundtrip(weights)
+    assert packer.nbytes == sum(t.numel() * t.element_size() for t in weights.values())
+
+
 def test_tensor_larger_than_bucket_is_chunked_and_merged():
     big = torch.arange(10 * BUCKET // 4 + 3, dtype=torch.float32)
     received, packer = roundtrip({"a": torch.ones(5), "big": big, "b": torch.zeros(2)})
@@ -142,3 +149,18 @@ def test_direct_and_packed_buckets_interleave_bit_exact():
     weights["model.mid"] = torch.randn(BUCKET // 4 // 2)  # exactly half a bucket: direct
     received, _ = roundtrip(weights, direct_min_bytes=BUCKET // 2)
     assert digests(received) == digests(weights)
+
+
+def test_synchronous_iteration_validates_and_refuses_an_async_only_source():
+    from weightsync_core.bucketing import iter_named_tensors_sync
+
+    weights = {"x": torch.ones(2), "y": torch.zeros(3)}
+    assert [name for name, _ in iter_named_tensors_sync(weights)] == ["x", "y"]
+    with pytest.raises(ValueError, match="duplicate tensor name 'x'"):
+        list(iter_named_tensors_sync([("x", torch.ones(1)), ("x", torch.ones(1))]))
+
+    async def only_async():
+        yield "x", torch.ones(1)
+
+    with pytest.raises(TypeError, match="only async for can iterate"):
+        list(iter_named_tensors_sync(only_async()))

@@ -261,3 +261,65 @@ def test_a_sync_reports_every_stage_time_and_what_it_moved():
     }
     assert (metrics["weightsync/bytes"], metrics["weightsync/tensors"],
             metrics["weightsync/buckets"], metrics["weightsync/replicas"]) == (4e6, 3, 2, 1)
+
+
+def test_an_error_from_synchronous_code_is_raised_as_it_is():
+    # called from synchronous code, the sync's own error comes first in the trace: it is not
+    # chained to the "no running event loop" that tells sync callers from async ones
+    manager = CheckpointEngineManager(CheckpointEngineConfig(backend="gloo"), RayWorkerGroup([]))
+    with pytest.raises(SyncStageError, match="add_replicas") as info:
+        manager.update_weights(4)
+    assert info.value.__context__ is None
+
+
+class _NoSuchMethodGroup(RecordingGroup):
+    """A group whose workers lack the engine methods (as verl's colocated workers, whose
+    methods carry a role prefix): every engine call fails before it starts."""
+
+    def execute_checkpoint_engine(self, method, **per_rank_kwargs):
+        raise AttributeError(f"'ActorHandle' object has no attribute '{method}'")
+
+
+def test_a_group_that_cannot_even_abort_leaves_the_real_error_and_resumed_replicas():
+    replica = LifecycleReplica()
+    replica.workers = ["w0"]
+    manager = CheckpointEngineManager(
+        CheckpointEngineConfig(backend="gloo"), _NoSuchMethodGroup(["a0"]), [replica]
+    )
+    with pytest.raises(SyncStageError, match="has no attribute 'set_session_key'") as info:
+        manager.update_weights_sync(global_steps=1)
+    assert info.value.stage == "authenticate"
+    assert replica.calls[-2:] == ["resume_kv_cache", "resume_generation"]
+    assert manager.stale_replicas == []
+
+
+class _Remote:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return self.name
+
+
+class _PrefixedHandle:
+    """A Ray handle's shape with a role's methods under prefixed names."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if not name.startswith("actor_rollout_"):
+            raise AttributeError(name)
+        return _Remote(name, self.__dict__["calls"])
+
+
+def test_a_ray_worker_group_calls_methods_under_their_role_prefix():
+    handle = _PrefixedHandle()
+    group = RayWorkerGroup([handle], method_prefix="actor_rollout_")
+    assert group.execute_checkpoint_engine("prepare") == ["actor_rollout_execute_checkpoint_engine"]
+    assert group.update_weights(3) == ["actor_rollout_update_weights"]
+    assert handle.calls == [("actor_rollout_execute_checkpoint_engine", ("prepare",), {}),
+                            ("actor_rollout_update_weights", (3, False), {})]
+    with pytest.raises(AttributeError):
+        RayWorkerGroup([handle]).update_weights(3)

@@ -72,3 +72,42 @@ def test_engines_take_verls_constructor_and_engine_kwargs():
         CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, senders=2, multi_sender=True)
     with pytest.raises(ValueError, match="'is_master' must be True or False"):
         CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, is_master="yes")
+
+
+@pytest.fixture
+def restored_registry():
+    from weightsync_core import CheckpointEngineRegistry
+
+    saved = dict(CheckpointEngineRegistry._registry)
+    yield CheckpointEngineRegistry
+    CheckpointEngineRegistry._registry = saved
+
+
+def _verl_written_engine():
+    from weightsync_core.verl_compat import CheckpointEngine
+
+    class VerlWritten(CheckpointEngine):
+        def __init__(self, bucket_size, is_master=False):
+            self.bucket_size = bucket_size
+
+    return VerlWritten
+
+
+def test_a_verl_engine_under_a_weightsync_backends_name_is_verl_prefixed(restored_registry):
+    # verl's engines register as nixl, nccl, mooncake...: names weightsync's backends hold
+    from weightsync_core.engines.gloo import GlooCheckpointEngine
+    from weightsync_core.verl_compat import CheckpointEngineRegistry
+
+    engine = CheckpointEngineRegistry.register("gloo")(_verl_written_engine())
+    assert restored_registry.get("gloo") is GlooCheckpointEngine
+    assert restored_registry.get("verl_gloo") is engine
+    assert CheckpointEngineRegistry.get("verl_gloo") is engine
+
+
+def test_a_verl_engine_under_a_free_name_keeps_it_and_gets_the_verl_name(restored_registry):
+    from weightsync_core.verl_compat import CheckpointEngineRegistry
+
+    engine = CheckpointEngineRegistry.register("acme_rdma")(_verl_written_engine())
+    assert restored_registry.get("acme_rdma") is engine
+    assert restored_registry.get("verl_acme_rdma") is engine
+    CheckpointEngineRegistry.register("acme_rdma")(engine)  # imported twice: harmless

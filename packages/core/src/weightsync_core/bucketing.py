@@ -33,6 +33,7 @@ __all__ = [
     "as_bytes",
     "cast_for_rollout",
     "iter_named_tensors",
+    "iter_named_tensors_sync",
     "storage_refs",
 ]
 
@@ -170,6 +171,27 @@ async def iter_named_tensors(
         )
 
 
+def iter_named_tensors_sync(weights: WeightsSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_named_tensors` for a consumer that iterates synchronously (engines written
+    for verl do on their non-sending ranks).
+
+    Raises:
+        TypeError: ``weights`` is only asynchronously iterable, or an item is not a
+            ``(str, torch.Tensor)`` pair.
+        ValueError: a name occurs twice.
+    """
+    source = weights.items() if isinstance(weights, Mapping) else weights
+    if not isinstance(source, Iterable):
+        raise TypeError(
+            f"the engine iterates the weights with a plain for loop, but they are a "
+            f"{type(weights).__name__}, which only async for can iterate: yield them from a "
+            "plain generator (or hand over a state dict)"
+        )
+    seen: set[str] = set()
+    for item in source:
+        yield _checked_item(item, seen)
+
+
 def _checked_item(item: object, seen: set[str]) -> tuple[str, torch.Tensor]:
     if not (isinstance(item, tuple) and len(item) == 2):
         raise TypeError(f"weights must yield (name, tensor) pairs, got {item!r:.80}")
@@ -212,7 +234,8 @@ class BucketPacker:
         checksum: if set, computes each bucket's checksum for verification.
         direct_min_bytes: send tensors at least this large without packing (None: never).
         manifest: after packing, ``(name, shape, dtype)`` of every tensor sent.
-        nbytes / num_tensors / num_buckets: counters after packing.
+        nbytes / num_tensors / num_buckets: counters after packing (``nbytes``: the
+            tensors' bytes, without the alignment between them).
     """
 
     buffers: list[torch.Tensor]
@@ -297,7 +320,7 @@ class BucketPacker:
         if self.checksum is not None:
             meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
         self.num_buckets += 1
-        self.nbytes += nbytes
+        self.nbytes += sum(piece.nbytes for piece in metas)
         return PackedBucket(buffer, meta, direct)
 
 

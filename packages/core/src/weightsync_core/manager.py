@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import inspect
 import logging
@@ -43,13 +42,21 @@ _TRANSFER_STAGES = frozenset({"transfer", "finalize"})
 
 
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run ``coroutine`` from synchronous code (in a helper thread if a loop is running)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    """Run ``coroutine`` from synchronous code (in a helper thread if a loop is running).
+    What it raises is raised as it is, chained to nothing of this function's."""
+    if not _loop_running():
         return asyncio.run(coroutine)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coroutine).result()
+
+
+def _loop_running() -> bool:
+    """Whether this thread runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 _ANONYMOUS_FRAMES = frozenset({"<lambda>", "<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
@@ -566,9 +573,8 @@ class CheckpointEngineManager:
         after :data:`_CLEANUP_GRACE_SECONDS`: what is still running is awaited by the next
         sync."""
         workers = [worker for replica in replicas for worker in replica.workers]
-        cleanup = [*self.actor_wg.execute_checkpoint_engine("abort")]
-        with contextlib.suppress(Exception):
-            cleanup += self.rollout_group(workers).execute_checkpoint_engine("abort")
+        cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
+                   *_abort_calls(lambda: self.rollout_group(workers), "the rollout workers")]
         await self._finish_cleanup(cleanup)
         if error.stage in _TRANSFER_STAGES:
             self.stale_replicas += [
@@ -584,6 +590,19 @@ class CheckpointEngineManager:
             return  # its replicas were never paused
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
         await self._finish_cleanup([_resume(replica) for replica in untouched])
+
+
+def _abort_calls(
+    group: Callable[[], CheckpointEngineWorkerGroup], side: str
+) -> list[Awaitable[Any]]:
+    """``engine.abort()`` on every process of ``group()``; a group that cannot even start
+    the calls is logged and skipped, so that the sync's own error is what the caller sees
+    and the replicas are still resumed or listed stale."""
+    try:
+        return list(group().execute_checkpoint_engine("abort"))
+    except Exception as exc:
+        logger.warning("could not abort the engines of %s after the failed sync: %r", side, exc)
+        return []
 
 
 async def _resume(replica: RolloutReplica) -> None:

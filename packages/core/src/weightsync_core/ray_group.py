@@ -11,10 +11,22 @@ __all__ = ["RayRolloutReplica", "RayWorkerGroup"]
 
 class RayWorkerGroup:
     """A list of Ray actor handles whose actors expose ``execute_checkpoint_engine`` and
-    ``update_weights`` (e.g. :class:`~weightsync_core.worker.CheckpointEngineWorker`)."""
+    ``update_weights`` (e.g. :class:`~weightsync_core.worker.CheckpointEngineWorker`).
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    Args:
+        workers: the actors' handles, in rank order.
+        method_prefix: prepended to every method name called on the actors, for actors
+            that expose a role's methods under prefixed names (verl's colocated workers
+            expose ``actor_rollout_update_weights``: prefix ``"actor_rollout_"``).
+    """
+
+    def __init__(self, workers: Sequence[Any], method_prefix: str = "") -> None:
         self.workers = list(workers)
+        self.method_prefix = method_prefix
+
+    def remote_method(self, worker: Any, name: str) -> Any:
+        """``worker``'s remote method ``name`` (with :attr:`method_prefix`)."""
+        return getattr(worker, f"{self.method_prefix}{name}")
 
     @property
     def world_size(self) -> int:
@@ -28,7 +40,7 @@ class RayWorkerGroup:
                     f"{self.world_size} ranks"
                 )
         return [
-            worker.execute_checkpoint_engine.remote(
+            self.remote_method(worker, "execute_checkpoint_engine").remote(
                 method, **{key: values[rank] for key, values in per_rank_kwargs.items()}
             )
             for rank, worker in enumerate(self.workers)
@@ -37,12 +49,13 @@ class RayWorkerGroup:
     def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False
     ) -> list[Any]:
-        return [worker.update_weights.remote(global_steps, allow_manifest_change)
-                for worker in self.workers]
+        return [self.remote_method(worker, "update_weights").remote(
+                    global_steps, allow_manifest_change) for worker in self.workers]
 
     def update_weights_from_cache(self, global_steps: int | None = None) -> list[Any]:
         """Rollout workers only: load the actor side's cached weights (kimi)."""
-        return [worker.update_weights_from_cache.remote(global_steps) for worker in self.workers]
+        return [self.remote_method(worker, "update_weights_from_cache").remote(global_steps)
+                for worker in self.workers]
 
 
 class RayRolloutReplica:

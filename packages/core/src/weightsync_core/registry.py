@@ -198,6 +198,16 @@ class CheckpointEngineRegistry:
         return cls.get(name)(*args, **kwargs)
 
     @classmethod
+    def holds(cls, name: str, other_than: type[CheckpointEngine] | None = None) -> bool:
+        """Whether ``name`` is taken by an engine other than ``other_than``: registered in
+        this process, or the name of an installed backend's entry point (loaded or not;
+        nothing is imported to tell)."""
+        registered = cls._registry.get(name)
+        if registered is not None:
+            return registered is not other_than
+        return name in cls._discover()
+
+    @classmethod
     def names(cls) -> list[str]:
         """Names registered in this process so far (decorator or loaded entry points)."""
         return sorted(cls._registry)

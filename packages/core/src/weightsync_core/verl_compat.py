@@ -13,23 +13,74 @@ and refuse a stream whose chunks do not add up.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from weightsync_core.base import CheckpointEngine, CheckpointEngineWithCache
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors
-from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.registry import CheckpointEngineRegistry as WeightsyncRegistry
 
 __all__ = [
+    "VERL_NAME_PREFIX",
     "CheckpointEngine",
     "CheckpointEngineRegistry",
     "CheckpointEngineWithCache",
     "TensorMeta",
     "merge_weight_chunks",
     "split_weight_chunks",
+    "verl_engine_name",
 ]
+
+logger = logging.getLogger(__name__)
+
+VERL_NAME_PREFIX = "verl_"
+"""An engine written for verl and registered as ``X`` is always backend ``verl_X`` too."""
+
+EngineT = TypeVar("EngineT", bound=type[CheckpointEngine])
+
+
+def verl_engine_name(name: str) -> str:
+    """The name that always reaches the engine written for verl registered as ``name``
+    (``nixl`` -> ``verl_nixl``; a name with the prefix already is kept)."""
+    return name if name.startswith(VERL_NAME_PREFIX) else f"{VERL_NAME_PREFIX}{name}"
+
+
+class CheckpointEngineRegistry:
+    """verl's registry, as engines written for verl use it, over weightsync's.
+
+    ``register(name)`` files the engine as :func:`verl_engine_name` (``verl_<name>``), and
+    as ``name`` itself unless a weightsync backend holds that name (registered, or the
+    entry point of an installed backend). So verl's engines (``nixl``, ``nccl``,
+    ``mooncake``, ``hccl``, ``kimi_ckpt_engine``) import beside weightsync's backends in
+    either order: ``nixl`` stays weightsync's when ``weightsync-nixl`` is installed, and
+    ``verl_nixl`` is verl's engine whatever is installed. ``get`` and ``new`` are
+    weightsync's.
+    """
+
+    get = WeightsyncRegistry.get
+    new = WeightsyncRegistry.new
+
+    @staticmethod
+    def register(name: str) -> Callable[[EngineT], EngineT]:
+        """Class decorator: register an engine written for verl (see the class)."""
+
+        def decorator(engine_cls: EngineT) -> EngineT:
+            alias = verl_engine_name(name)
+            WeightsyncRegistry.register(alias)(engine_cls)
+            if alias == name:
+                return engine_cls
+            if WeightsyncRegistry.holds(name, other_than=engine_cls):
+                logger.info("%s.%s registered as %r: %r is weightsync's backend",
+                            engine_cls.__module__, engine_cls.__qualname__, alias, name)
+            else:
+                WeightsyncRegistry.register(name)(engine_cls)
+            return engine_cls
+
+        return decorator
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -16,7 +16,7 @@ from weightsync_core.base import (
     TransferStats,
 )
 from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import WeightsSource, iter_named_tensors
+from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import WeightSyncError
 from weightsync_core.plugins import load_custom_backend_module
@@ -116,24 +116,62 @@ async def _deliver(
     return stats
 
 
-async def _produced(
-    weights: WeightsSource, progress: SyncProgress, taken: TransferStats
-) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    """``weights``, noting in ``progress`` whether the engine waits for the iterator
-    (``producing``) or the iterator for the engine (``sending``), and counting in ``taken``
-    what the engine took (the stats of an engine whose ``send_weights`` returns none)."""
-    progress.tensors = 0
-    progress.enter("producing")
-    try:
-        async for name, tensor in iter_named_tensors(weights):
-            progress.enter("sending")
-            taken.num_tensors += 1
-            taken.nbytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
-            progress.tensors += 1
-            progress.enter("producing")
-    finally:
-        progress.enter("idle")
+class _ProducedWeights:
+    """The actor's weights as an engine takes them: with ``async for`` (weightsync's
+    engines) or with a plain ``for`` (engines written for verl iterate so on their
+    non-sending ranks, to drive the trainer's gathers). Either way every tensor is
+    validated, counted in ``taken`` (the stats of an engine whose ``send_weights`` returns
+    none) and noted in ``progress``: ``producing`` while the engine waits for the iterator,
+    ``sending`` while the iterator waits for the engine. Iterate it once.
+
+    Args:
+        weights: what the actor's ``iter_weights`` returned.
+        progress: the engine's progress record.
+        taken: counts of what the engine took.
+    """
+
+    def __init__(self, weights: WeightsSource, progress: SyncProgress, taken: TransferStats):
+        self.weights = weights
+        self.progress = progress
+        self.taken = taken
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        return self._produce_async()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._produce_sync()
+
+    async def _produce_async(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        self._start()
+        try:
+            async for name, tensor in iter_named_tensors(self.weights):
+                yield self._taken(name, tensor)
+                self._done_with_one()
+        finally:
+            self.progress.enter("idle")
+
+    def _produce_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._start()
+        try:
+            for name, tensor in iter_named_tensors_sync(self.weights):
+                yield self._taken(name, tensor)
+                self._done_with_one()
+        finally:
+            self.progress.enter("idle")
+
+    def _start(self) -> None:
+        self.progress.tensors = 0
+        self.progress.enter("producing")
+
+    def _taken(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        self.progress.enter("sending")
+        self.taken.num_tensors += 1
+        self.taken.nbytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
+    def _done_with_one(self) -> None:
+        self.progress.tensors += 1
+        self.progress.enter("producing")
 
 
 class CheckpointEngineWorker:
@@ -281,7 +319,7 @@ class ActorCheckpointEngineMixin:
         engine = self.checkpoint_engine
         taken = TransferStats()
         stats = await engine.send_weights(
-            _produced(self.iter_weights(), engine.progress, taken), global_steps
+            _ProducedWeights(self.iter_weights(), engine.progress, taken), global_steps
         )
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             stats = taken
