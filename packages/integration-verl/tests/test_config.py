@@ -34,13 +34,24 @@ def test_verl_config_becomes_weightsyncs():
     assert converted.custom_backend_module is None  # it registers into verl, not weightsync
 
 
+def _empty_actor_wg() -> SimpleNamespace:
+    """The shape of verl's actor worker group, without workers."""
+    return SimpleNamespace(workers=[], execute_checkpoint_engine=lambda *args, **kwargs: [])
+
+
 def test_a_backend_that_is_not_weightsyncs_is_refused_with_the_names_to_use():
     with pytest.raises(ValueError, match="weightsync_nixl"):
         CheckpointEngineManager(CheckpointEngineConfig(backend="nccl"),
-                                SimpleNamespace(workers=[]), [])
+                                _empty_actor_wg(), [])
 
 
 def test_an_unknown_weightsync_backend_is_a_value_error_as_verl_callers_expect():
     with pytest.raises(ValueError, match="nope"):
         CheckpointEngineManager(CheckpointEngineConfig(backend="weightsync_nope"),
+                                _empty_actor_wg(), [])
+
+
+def test_an_actor_group_without_checkpoint_engines_is_refused_naming_what_to_pass():
+    with pytest.raises(TypeError, match="has no execute_checkpoint_engine"):
+        CheckpointEngineManager(CheckpointEngineConfig(backend="weightsync_gloo"),
                                 SimpleNamespace(workers=[]), [])

@@ -56,8 +56,11 @@ def test_verls_manager_moves_three_updates_bit_exact(cluster) -> None:
     async def train() -> None:
         for step in (1, 2, 3):
             expected = cluster.perturb(step)
-            await manager.update_weights(global_steps=step)
+            metrics = await manager.update_weights(global_steps=step)
             _check(cluster, expected, step)
+            # verl's manager merges the trainer ranks' metrics: rank 1 only iterated
+            assert metrics["weightsync/bytes"] == cluster.nbytes()
+            assert metrics["weightsync/tensors"] == len(expected)
 
     asyncio.run(train())
 

@@ -3,11 +3,11 @@ weightsync with only its base-class import changed (from ``verl.checkpoint_engin
 
 Like verl's engines it sets its own attributes instead of calling ``super().__init__``, takes
 verl's ``is_master`` and ``rebuild_group``, puts ``method`` in its topology (as verl's NIXL
-engine does), returns nothing from ``send_weights``, iterates the weights with a plain ``for`` on the
-ranks that do not send, splits and
-merges large tensors with ``split_weight_chunks`` / ``merge_weight_chunks`` and builds its own
-group (a gloo broadcast from actor rank 0 over a ``TCPStore``, which has no authentication:
-this is a test fixture, not a weightsync backend). Registered as ``verl_style_gloo``.
+engine does), returns nothing from ``send_weights``, iterates the weights with a plain
+``for`` on the ranks that do not send, splits and merges large tensors with
+``split_weight_chunks`` / ``merge_weight_chunks`` and builds its own group (a gloo broadcast
+from actor rank 0 over a ``TCPStore``, which has no authentication: this is a test fixture,
+not a weightsync backend). Registered as ``verl_style_gloo``.
 """
 
 import datetime

@@ -13,7 +13,7 @@ from weightsync_verl.engines import (
     verl_backend_name,
     weightsync_backend_name,
 )
-from weightsync_verl.groups import VerlWorkerGroup
+from weightsync_verl.groups import VerlWorkerGroup, role_prefix
 from weightsync_verl.manager import CheckpointEngineManager, weightsync_config
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "VerlWorkerGroup",
     "WeightsyncCheckpointEngine",
     "register_backends",
+    "role_prefix",
     "verl_backend_name",
     "weightsync_backend_name",
     "weightsync_config",

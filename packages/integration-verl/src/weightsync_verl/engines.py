@@ -109,8 +109,13 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         self.engine.init_process_group(**kwargs)
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
-        """Send; returns metrics for verl's trainer to log (``weightsync/...``)."""
+        """Send; returns metrics for verl's trainer to log (``weightsync/...``), from a rank
+        that sent tensors. A rank that only iterated (the trainer's gathers) returns none:
+        verl's manager merges the ranks' metrics in rank order, and its zeros would replace
+        the sender's counts."""
         self._stats = await self.engine.send_weights(weights, global_steps)
+        if not self._stats.num_tensors:
+            return {}
         return {
             "weightsync/bytes": float(self._stats.nbytes),
             "weightsync/tensors": float(self._stats.num_tensors),

@@ -66,8 +66,8 @@ class CheckpointEngineManager(WeightsyncManager):
         self.verl_actor_wg = actor_wg
         weightsync = (CheckpointEngineConfig(backend="naive") if config.backend == "naive"
                       else weightsync_config(config))
-        super().__init__(weightsync, VerlWorkerGroup(actor_wg.workers, mode=config.backend),
-                         replicas)
+        self.actor_group = VerlWorkerGroup.of_verl_group(actor_wg, config.backend)
+        super().__init__(weightsync, self.actor_group, replicas)
 
     def rollout_group(self, workers: list[Any]) -> VerlWorkerGroup:
         """verl's ``CheckpointEngineWorker`` actors of the replicas."""
@@ -87,8 +87,7 @@ class CheckpointEngineManager(WeightsyncManager):
         )
 
     async def _run_naive(self, global_steps: int | None) -> None:
-        calls = [(f"actor_wg rank {rank}",
-                  worker.update_weights.remote(global_steps=global_steps, mode="naive"))
-                 for rank, worker in enumerate(self.verl_actor_wg.workers)]
+        calls = [(f"actor_wg rank {rank}", ref)
+                 for rank, ref in enumerate(self.actor_group.verl_update_weights(global_steps))]
         deadline = asyncio.get_running_loop().time() + self.config.sync_timeout_seconds
         await self.run_stage("transfer", calls, deadline)

@@ -39,9 +39,11 @@ __all__ = [
     "RecordingReplica",
     "TrainerWorker",
     "VerlCluster",
+    "close_engine",
     "digest",
     "make_cluster",
     "make_manager",
+    "make_rollout",
     "save_tiny_model",
 ]
 
@@ -110,7 +112,7 @@ class TrainerWorker(Worker):
         """Build the engine ``config`` names, as verl's ``TrainingWorker`` does at start-up
         (the previous engine, if any, is closed: a scenario runs several backends on one
         set of workers)."""
-        _close(self.checkpoint_engine)
+        close_engine(self.checkpoint_engine)
         import_external_libs(config.custom_backend_module or None)
         backend = _backend(config)
         engine_kwargs = dict(config.engine_kwargs.get(backend, {}) or {})
@@ -131,13 +133,20 @@ class TrainerWorker(Worker):
                 tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-3)
         return {name: digest(tensor) for name, tensor in self.weights.items()}
 
+    @register(dispatch_mode=_ONE_TO_ALL)
+    def nbytes(self) -> int:
+        """Bytes of one copy of the weights."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.weights.values())
+
     @register(dispatch_mode=_ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto"):
-        """As verl's test trainer: hand the per-tensor weights to the engine."""
+        """As verl's workers: hand the per-tensor weights to the engine; return its
+        metrics."""
         if self.checkpoint_engine is None:
             raise RuntimeError("this trainer rank has no checkpoint engine: use_backend() first")
         weights = ((name, tensor) for name, tensor in self.weights.items())
-        await self.checkpoint_engine.send_weights(weights, global_steps=global_steps)
+        metrics = await self.checkpoint_engine.send_weights(weights, global_steps=global_steps)
+        return metrics or {}  # as verl's ActorRolloutRefWorker: verl's manager merges them
 
     @register(dispatch_mode=_DP_COMPUTE, blocking=False)
     def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +161,7 @@ def _backend(config: CheckpointEngineConfig) -> str:
     return config.backend
 
 
-def _close(engine: Any) -> None:
+def close_engine(engine: Any) -> None:
     """Release what a replaced engine holds (listeners, buffers), if it can say so."""
     close = getattr(engine, "close", None)
     if close is not None:
@@ -201,7 +210,7 @@ class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
     def use_backend(self, config: CheckpointEngineConfig) -> None:
         """Build the engine ``config`` names, as verl's ``CheckpointEngineWorker`` does at
         start-up (closing the previous one)."""
-        _close(self.checkpoint_engine)
+        close_engine(self.checkpoint_engine)
         import_external_libs(config.custom_backend_module or None)
         backend = _backend(config)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
@@ -277,6 +286,10 @@ class VerlCluster:
         """New weights on every trainer rank; returns what every replica must receive."""
         return self.actor_wg.perturb(step)[0]  # pyright: ignore[reportAttributeAccessIssue]
 
+    def nbytes(self) -> int:
+        """Bytes of one copy of the trainer's weights."""
+        return self.actor_wg.nbytes()[0]  # pyright: ignore[reportAttributeAccessIssue]
+
     def reports(self) -> list[dict[str, Any]]:
         """Per rollout worker: what arrived (see :meth:`RecordingCheckpointEngineWorker.report`)."""
         return self.rollout.report()  # pyright: ignore[reportAttributeAccessIssue]
@@ -289,9 +302,6 @@ def make_cluster(
     """The scenario's worker groups on CPU (Ray must be running with enough CPUs).
     ``model_path``: a saved Hugging Face model (its config is the rollout's model config);
     the trainer ranks send its weights, or ``weights`` (``synthetic:<MiB>``) if given."""
-    model_config = HFModelConfig(path=model_path, load_tokenizer=False)
-    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config,
-                                   tensor_model_parallel_size=replica_size)
     pool = RayResourcePool(process_on_nodes=[num_trainer + num_rollout], use_gpu=False,
                            max_colocate_count=1)
     trainer_pool, rollout_pool = split_resource_pool(pool, [num_trainer, num_rollout])
@@ -300,21 +310,33 @@ def make_cluster(
         ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config,
                                                weights=weights or model_path),
     )
+    rollout, replicas = make_rollout(config, model_path, rollout_pool, replica_size)
+    return VerlCluster(config, actor_wg, rollout, replicas, pool)
+
+
+def make_rollout(
+    config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool, replica_size: int
+) -> tuple[RayWorkerGroup, list[RecordingReplica]]:
+    """verl ``CheckpointEngineWorker``s (recording what arrives), one per process of
+    ``pool``, and the replicas of ``replica_size`` workers they form."""
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False)
+    rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config,
+                                   tensor_model_parallel_size=replica_size)
     rollout = RayWorkerGroup(
-        resource_pool=rollout_pool, device_name="cpu",
+        resource_pool=pool, device_name="cpu",
         ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RecordingCheckpointEngineWorker),
                                                rollout_config=rollout_config,
                                                model_config=model_config),
     )
     replicas = [RecordingReplica(replica_rank=rank, config=rollout_config,
                                  model_config=model_config, gpus_per_node=replica_size)
-                for rank in range(num_rollout // replica_size)]
+                for rank in range(rollout.world_size // replica_size)]
 
     async def init() -> None:
         await asyncio.gather(*(replica.init_hybrid(rollout) for replica in replicas))
 
     asyncio.run(init())
-    return VerlCluster(config, actor_wg, rollout, replicas, pool)
+    return rollout, replicas
 
 
 def make_manager(cluster: VerlCluster, manager_class: str | None = None) -> Any:
