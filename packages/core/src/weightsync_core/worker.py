@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from weightsync_core.base import (
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import WeightSyncError
+from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import ServerAdapter
 from weightsync_core.registry import CheckpointEngineRegistry
@@ -66,6 +67,39 @@ async def _execute(engine: CheckpointEngine, method: str, kwargs: dict[str, Any]
         return await run_blocking(function, **kwargs)
     result = function(**kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+def _written_for_verl(engine: CheckpointEngine) -> bool:
+    """Whether ``engine`` is an engine written for verl (own constructor, no typed
+    options), which keeps none of weightsync's engines' guarantees about aborts and the
+    memory of what it yields."""
+    return not type(engine).declares_options()
+
+
+async def _engine_after_abort(
+    engine: CheckpointEngine, config: CheckpointEngineConfig
+) -> CheckpointEngine:
+    """Abort ``engine`` after a failed sync; returns the engine to use from now on.
+
+    An engine written for verl without an ``abort`` of its own only has its ``finalize``,
+    which may keep state of the failed sync (verl's NIXL engine keeps the failed sync's
+    queued messages and notifications, and every later sync fails on them): it is
+    finalized as far as it goes and replaced by a new one built from ``config``."""
+    if not (_written_for_verl(engine) and type(engine).abort is CheckpointEngine.abort):
+        await run_blocking(engine.abort)
+        return engine
+    with contextlib.suppress(Exception):  # half-used: whatever it cannot release is dropped
+        await run_blocking(engine.finalize)
+    return build_engine(config)
+
+
+async def _owned_copies(
+    weights: AsyncIterator[tuple[str, torch.Tensor]],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """``weights`` as tensors of their own (an engine written for verl yields views of its
+    buffers, which its next bucket overwrites while the server may still hold them)."""
+    async for name, tensor in weights:
+        yield name, tensor.clone()
 
 
 async def _deliver(
@@ -211,6 +245,10 @@ class CheckpointEngineWorker:
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        if method == "abort" and not kwargs:
+            self.checkpoint_engine = await _engine_after_abort(self.checkpoint_engine,
+                                                               self.config)
+            return None
         return await _execute(self.checkpoint_engine, method, kwargs)
 
     async def update_weights(
@@ -241,6 +279,8 @@ class CheckpointEngineWorker:
     ) -> dict[str, float]:
         self.update_complete = False
         self.manifest_guard.start(allow_change=allow_manifest_change)
+        if _written_for_verl(self.checkpoint_engine):
+            weights = _owned_copies(weights)
         stats = await _deliver(self.server_adapter, weights, global_steps, self.manifest_guard,
                                self.checkpoint_engine.progress)
         self.update_complete = True
@@ -294,12 +334,14 @@ class ActorCheckpointEngineMixin:
     checkpoint_engine: CheckpointEngine
     colocated_server_adapter: ServerAdapter | None = None
     colocated_manifest_guard: ManifestGuard
+    checkpoint_engine_config: CheckpointEngineConfig
 
     def init_checkpoint_engine(
         self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
     ) -> None:
         """Build this process's engine (importing ``custom_backend_module`` first)."""
         self.checkpoint_engine = build_engine(config)
+        self.checkpoint_engine_config = config
         self.colocated_server_adapter = server_adapter
         self.colocated_manifest_guard = ManifestGuard()
 
@@ -309,6 +351,11 @@ class ActorCheckpointEngineMixin:
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        if method == "abort" and not kwargs:
+            self.checkpoint_engine = await _engine_after_abort(
+                self.checkpoint_engine, self.checkpoint_engine_config
+            )
+            return None
         return await _execute(self.checkpoint_engine, method, kwargs)
 
     async def update_weights(
@@ -322,7 +369,15 @@ class ActorCheckpointEngineMixin:
             _ProducedWeights(self.iter_weights(), engine.progress, taken), global_steps
         )
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
+            if not taken.num_tensors:  # it would only end the sync, blaming the receivers
+                raise EmptyWeightsError(
+                    "the weight stream of this actor rank held no tensors; a sync that loads "
+                    "nothing is refused (does iter_weights yield anything?)"
+                )
             stats = taken
+            bucket_size = getattr(engine, "bucket_size", 0)
+            if isinstance(bucket_size, int) and bucket_size > 0:  # at least this many
+                stats.num_buckets = -(-taken.nbytes // bucket_size)
         if engine.is_colocated:
             guard = self.colocated_manifest_guard
             guard.start(allow_change=allow_manifest_change)

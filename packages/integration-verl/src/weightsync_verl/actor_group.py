@@ -114,13 +114,23 @@ class CpuActorRolloutRefWorker(ActorRolloutRefWorker):
             )
         super().init_model()
         self._failure_after: int | None = None
-        self._export = self.actor.engine.get_per_tensor_param
-        self.actor.engine.get_per_tensor_param = self._per_tensor_param
+        self._export = self._training_engine.get_per_tensor_param
+        self._training_engine.get_per_tensor_param = self._per_tensor_param
+
+    @property
+    def _training_engine(self) -> Any:
+        """This rank's verl training engine (FSDP2 here)."""
+        if self.actor is None:
+            raise RuntimeError("this worker has no actor: its role has none, or init_model() "
+                               "has not run")
+        return self.actor.engine
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def use_backend(self, config: CheckpointEngineConfig) -> None:
         """A new checkpoint engine for ``config``, built as ``init_model`` builds it (the
         previous one closed): one set of workers runs several backends."""
+        if not config.backend:
+            raise ValueError("verl's CheckpointEngineConfig names no backend: set backend=")
         close_engine(getattr(self, "checkpoint_engine", None))
         import_external_libs(config.custom_backend_module or None)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
@@ -134,7 +144,7 @@ class CpuActorRolloutRefWorker(ActorRolloutRefWorker):
         """Add step-seeded noise to this rank's shard of every floating parameter."""
         generator = torch.Generator().manual_seed(step * 1000 + torch.distributed.get_rank())
         with torch.no_grad():
-            for parameter in self.actor.engine.module.parameters():
+            for parameter in self._training_engine.module.parameters():
                 local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
                 if local.is_floating_point():
                     local.add_(torch.randn(local.shape, generator=generator) * 1e-3)
