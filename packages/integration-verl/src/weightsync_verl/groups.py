@@ -79,18 +79,19 @@ class VerlWorkerGroup(RayWorkerGroup):
                 "verl's workers load whatever arrives: they have no manifest check to relax, so "
                 "update_weights(allow_manifest_change=True) does not apply to them"
             )
-        options = {"mode": self.mode} if self.mode is not None else {}
-        return [self._transfer(worker, global_steps, options) for worker in self.workers]
+        return [self._transfer(worker, global_steps) for worker in self.workers]
 
     def verl_update_weights(self, global_steps: int | None = None) -> list[Any]:
         """verl's own ``update_weights(global_steps=, mode=)`` on every rank (what its naive
         hand-over runs); one Ray object ref per rank."""
-        options = {"mode": self.mode} if self.mode is not None else {}
-        return [self.remote_method(worker, "update_weights").remote(
-                    global_steps=global_steps, **options) for worker in self.workers]
+        return [self._verl_update(worker, global_steps) for worker in self.workers]
 
-    async def _transfer(self, worker: Any, global_steps: int | None, options: dict[str, Any]):
-        await self.remote_method(worker, "update_weights").remote(
+    def _verl_update(self, worker: Any, global_steps: int | None) -> Any:
+        options = {"mode": self.mode} if self.mode is not None else {}
+        return self.remote_method(worker, "update_weights").remote(
             global_steps=global_steps, **options
         )
+
+    async def _transfer(self, worker: Any, global_steps: int | None) -> Any:
+        await self._verl_update(worker, global_steps)
         return await self.remote_method(worker, _ENGINE_METHOD).remote("transfer_stats")
