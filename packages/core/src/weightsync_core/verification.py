@@ -126,7 +126,9 @@ class ManifestGuard:
     stream as it arrives: a tensor whose name, shape or dtype is new fails *before* the
     server sees it; a tensor that went missing fails at the end of the stream; an empty
     stream always fails. The first sync (nothing loaded yet) and syncs the caller marks with
-    ``allow_change`` accept any non-empty set of tensors, which becomes the new reference.
+    ``allow_change`` accept any non-empty set of tensors. A stream becomes the reference for
+    the next sync only through :meth:`accept`, once the server has taken all of it: a sync
+    the server refused (a tensor its model lacks, one it missed) never becomes one.
     """
 
     def __init__(self) -> None:
@@ -159,8 +161,7 @@ class ManifestGuard:
         )
 
     def finish(self) -> None:
-        """End the stream: raise if it was empty or lost tensors; else it becomes the
-        reference for the next sync."""
+        """End the stream: raise if it was empty or lost tensors."""
         if not self._current:
             raise EmptyWeightsError(
                 "the weight stream of this sync held no tensors; nothing was loaded (does the "
@@ -178,4 +179,8 @@ class ManifestGuard:
                     "allow_manifest_change=True to update_weights",
                     tensors=missing,
                 )
+
+    def accept(self) -> None:
+        """Make the finished stream the reference for the next sync (after the server took
+        all of it)."""
         self._previous, self._current = self._current, {}

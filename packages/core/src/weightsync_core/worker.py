@@ -111,7 +111,8 @@ async def _deliver(
 ) -> TransferStats:
     """Feed received weights to ``adapter`` while counting them and checking each against
     the previous sync's (``guard``: a changed tensor is refused before the server sees it;
-    an empty stream fails); check the adapter consumed them all."""
+    an empty stream fails); check the adapter consumed them all. The stream becomes the
+    guard's reference only when the adapter returned without error."""
     if adapter is None:
         raise WeightSyncError(
             "this worker has no server adapter to load weights into; pass server_adapter= or "
@@ -146,6 +147,7 @@ async def _deliver(
             f"{type(adapter).__name__}.update_weights returned after {stats.num_tensors} "
             "tensors without consuming the whole stream; it must iterate every weight"
         )
+    guard.accept()
     stats.seconds = loop.time() - start
     return stats
 

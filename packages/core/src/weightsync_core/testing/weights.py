@@ -102,6 +102,11 @@ class Faults:
     """Kill the sending process after that many tensors."""
     reshape: str | None = None
     """Send this tensor flattened (a changed manifest)."""
+    omit: str | None = None
+    """Leave this tensor out (a missing tensor)."""
+    rename: str | None = None
+    """Send this tensor under a name the model does not have (its name, ``.unknown``
+    appended)."""
 
 
 def faulty_stream(
@@ -115,7 +120,10 @@ def faulty_stream(
             raise RuntimeError(f"injected failure in the weight generator after {index} tensors")
         if faults.die_after is not None and index == faults.die_after:
             os._exit(1)
-        yield name, tensor.reshape(-1) if name == faults.reshape else tensor
+        if name == faults.omit:
+            continue
+        sent_name = f"{name}.unknown" if name == faults.rename else name
+        yield sent_name, tensor.reshape(-1) if name == faults.reshape else tensor
         if index == 3 and faults.duplicate_name:
             yield name, tensor
         if index == 3 and faults.non_tensor:
