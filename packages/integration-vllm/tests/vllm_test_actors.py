@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import torch
 
 from weightsync_core.testing.weights import Faults, faulty_stream
+from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.model_source import ModelWeightsSource
 
 
@@ -15,5 +16,32 @@ class FaultySource(ModelWeightsSource):
         super().__init__(config, model_path)
         self.faults = faults
 
+    def tensor_names(self) -> list[str]:
+        """The names of the weights it sends when nothing misbehaves, in order."""
+        return [name for name, _ in super().iter_weights()]
+
+    def set_faults(self, faults: Faults) -> None:
+        """Misbehave as ``faults`` says from the next sync on."""
+        self.faults = faults
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from faulty_stream(dict(super().iter_weights()), self.faults)
+
+
+class ProbedAsyncWorker(AsyncVLLMRolloutWorker):
+    """An AsyncLLM rollout worker that can also generate past its own refusal, to show that
+    vLLM's engine still runs after a failed sync."""
+
+    async def generate_anyway(self, prompt_ids: torch.Tensor, response_length: int
+                              ) -> torch.Tensor:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=response_length,
+                                 min_tokens=response_length, ignore_eos=True,
+                                 detokenize=False) for _ in range(prompt_ids.shape[0])]
+        prompts = [{"prompt_token_ids": row.tolist()} for row in prompt_ids]
+        return torch.tensor(await self._sample(prompts, params), dtype=prompt_ids.dtype)
+
+    async def engine_paused(self) -> bool:
+        """vLLM's own answer."""
+        return await self.engine.is_paused()

@@ -4,6 +4,7 @@ manager and trainer."""
 
 from importlib.metadata import version
 
+from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.model_source import ModelWeightsSource, perturb_, save_qwen2
 from weightsync_vllm.plugin import BACKEND_NAME
 from weightsync_vllm.worker import VLLMRolloutWorker, default_engine_args
@@ -12,6 +13,7 @@ __version__ = version("weightsync-vllm")
 
 __all__ = [
     "BACKEND_NAME",
+    "AsyncVLLMRolloutWorker",
     "ModelWeightsSource",
     "VLLMRolloutWorker",
     "__version__",

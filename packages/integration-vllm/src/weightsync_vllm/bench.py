@@ -10,7 +10,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import ray
 from ray.actor import ActorHandle
@@ -37,7 +37,17 @@ __all__ = ["disk_reload_seconds", "main", "model_shape", "report", "run"]
 _MIB = 1 << 20
 
 
-def model_shape(size_mb: int) -> dict[str, int]:
+class Qwen2Shape(TypedDict):
+    """The dimensions :func:`~weightsync_vllm.model_source.save_qwen2` takes."""
+
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+
+
+def model_shape(size_mb: int) -> Qwen2Shape:
     """Qwen2 dimensions (hidden 1024, 16 heads, vocab 16384) with enough layers for at least
     ``size_mb`` MiB of float32 weights (and at least two layers)."""
     hidden, vocab, intermediate = 1024, 16384, 2816
@@ -110,7 +120,12 @@ def _over(name: str, config: CheckpointEngineConfig, source: ActorHandle,
 
     def measure(step: int) -> Mapping[str, float]:
         ray.get(rollout.set_checkpoint_engine.remote(config))
-        return timed(step)
+        figures = dict(timed(step))
+        stats = cast(dict[str, float], ray.get(rollout.last_update_stats.remote()))
+        load = stats["load_seconds"] + stats["finish_seconds"]
+        figures[f"  of which vLLM load ({name})"] = load
+        figures[f"  of which the rest ({name})"] = figures[f"weightsync {name}"] - load
+        return figures
 
     return measure
 

@@ -17,19 +17,21 @@ __all__ = ["ModelWeightsSource", "perturb_", "save_qwen2"]
 def save_qwen2(
     directory: str, *, hidden_size: int = 64, num_hidden_layers: int = 2,
     intermediate_size: int | None = None, vocab_size: int = 8192, num_attention_heads: int = 2,
-    seed: int = 0,
+    seed: int = 0, tie_word_embeddings: bool = False,
 ) -> str:
     """Save a randomly initialised Qwen2 causal LM (float32 safetensors and its config; no
     download) into ``directory``, which vLLM and Hugging Face can then load; one key-value
-    head. vLLM's CPU attention needs a head size (``hidden_size // num_attention_heads``) of
-    32 or more."""
+    head; with ``tie_word_embeddings`` its LM head is its input embedding (the checkpoint
+    then holds no ``lm_head.weight``). vLLM's CPU attention needs a head size
+    (``hidden_size // num_attention_heads``) of 32 or more."""
     import transformers
 
     config = transformers.Qwen2Config(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_attention_heads=num_attention_heads,
-        num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     transformers.Qwen2ForCausalLM(config).save_pretrained(directory)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import typing
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -23,10 +24,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.model_executor.model_loader.reload import (
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
 
 from weightsync_core import (
     CheckpointEngineConfig,
@@ -35,6 +32,8 @@ from weightsync_core import (
     convert,
 )
 from weightsync_vllm.event_loop import EventLoopThread
+from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of
+from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
 
 __all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
@@ -92,10 +91,14 @@ class _LoadsWeights(Protocol):
 
 class _ModelLoader:
     """The server adapter of a vLLM worker: hands each received tensor to
-    ``model.load_weights`` of the engine's current target model."""
+    ``model.load_weights`` of the engine's current target model, after checking it against
+    what the model holds (when that is known); a stream that missed one of the model's
+    tensors fails at its end."""
 
     def __init__(self, engine: WeightsyncTransferEngine) -> None:
         self.engine = engine
+        self.load_seconds = 0.0
+        """Seconds the last update spent in ``load_weights``."""
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
@@ -106,8 +109,24 @@ class _ModelLoader:
                 f"the weight-update target {type(model).__name__} has no load_weights(); "
                 "weightsync loads received tensors through it"
             )
+        expected = self.engine.expected_weights()
+        received: set[str] = set()
+        self.load_seconds = 0.0
         async for name, tensor in weights:
-            model.load_weights([(name, tensor)])
+            if expected is not None:
+                expected.check(name, tensor)
+            start = time.perf_counter()
+            try:
+                model.load_weights([(name, tensor)])
+            except Exception as error:
+                raise WeightSyncError(
+                    f"vLLM's {type(model).__name__}.load_weights refused tensor {name!r} "
+                    f"(shape {list(tensor.shape)}, {tensor.dtype}): {error!r}"
+                ) from error
+            self.load_seconds += time.perf_counter() - start
+            received.add(name)
+        if expected is not None:
+            expected.check_complete(received)
 
 
 class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -129,7 +148,20 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         super().__init__(*args, **kwargs)
         self._loop = EventLoopThread()
         self._worker: CheckpointEngineWorker | None = None
+        self._expected: ExpectedWeights | None = expected_weights_of(
+            self.model_config, str(self.vllm_config.load_config.load_format)
+        )
+        self._loader = _ModelLoader(self)
         self.last_stats: dict[str, float] = {}
+        """What the last update moved (``num_tensors``, ``nbytes``, ``seconds``, ...) and the
+        seconds vLLM spent on it: ``load_seconds`` in ``load_weights``, ``finish_seconds`` in
+        the reload's processing at its end."""
+
+    def expected_weights(self) -> ExpectedWeights | None:
+        """What a sync into the current target model must deliver, by checkpoint name
+        (``None`` when unknown: a model vLLM did not load from a local checkpoint, or a
+        draft model)."""
+        return self._expected if self.model is self._default_model else None
 
     @property
     def worker(self) -> CheckpointEngineWorker:
@@ -151,7 +183,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self._close_engine()
 
         async def build() -> CheckpointEngineWorker:
-            return CheckpointEngineWorker(init_info, server_adapter=_ModelLoader(self))
+            return CheckpointEngineWorker(init_info, server_adapter=self._loader)
 
         self._worker = self._loop.run(build())
         logger.info("weightsync weight-transfer engine: backend %r", init_info.backend)
@@ -168,19 +200,34 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def start_weight_update(self) -> None:
         """Prepare the model to take checkpoint-format weights (vLLM's layerwise reload)."""
-        initialize_layerwise_reload(self.model)
+        start_reload(self.model)
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
-        """Receive one version of the weights over the weightsync backend into the model."""
-        self.last_stats = self._loop.run(
-            self.worker.update_weights(update_info.global_steps,
-                                       update_info.allow_manifest_change),
-            self._timeout(),
-        )
+        """Receive one version of the weights over the weightsync backend into the model.
+
+        Whatever fails (the sender, the wire, a tensor the model refuses, one that never
+        came, the timeout), the reload is abandoned before the error is raised: the layers
+        that had all their weights keep them, the others keep their old ones, nothing is
+        left half-loaded, and the next update starts cleanly. The caller knows from the error
+        that the model holds a mix of versions (weightsync's rollout worker refuses to serve
+        until a sync succeeds)."""
+        try:
+            stats = self._loop.run(
+                self.worker.update_weights(update_info.global_steps,
+                                           update_info.allow_manifest_change),
+                self._timeout(),
+            )
+        except BaseException:
+            abandon_reload(self.model, self.model_config)
+            raise
+        self.last_stats = {**stats, "load_seconds": self._loader.load_seconds}
 
     def finish_weight_update(self) -> None:
-        """Process the loaded weights into the model's kernels (vLLM's layerwise reload)."""
-        finalize_layerwise_reload(self.model, self.model_config)
+        """Process the loaded weights into the model's kernels (vLLM's layerwise reload),
+        tied layers included."""
+        start = time.perf_counter()
+        finish_reload(self.model, self.model_config)
+        self.last_stats["finish_seconds"] = time.perf_counter() - start
 
     def _close_engine(self) -> None:
         if self._worker is not None:

@@ -1,200 +1,45 @@
-"""The Ray actor that serves one vLLM engine and takes part in weightsync's syncs."""
+"""The Ray actor that serves one vLLM engine in its own process (vLLM's ``LLM``) and takes
+part in weightsync's syncs."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-
-from weightsync_core import CheckpointEngineConfig, WeightSyncError
-from weightsync_core.spi import default_host
-from weightsync_vllm.plugin import BACKEND_NAME
+from weightsync_vllm.rollout_worker_base import VLLMRolloutWorkerBase, default_engine_args
 
 __all__ = ["VLLMRolloutWorker", "default_engine_args"]
 
 
-def default_engine_args(model_path: str) -> dict[str, Any]:
-    """vLLM engine arguments for a weightsync rollout worker serving ``model_path`` (a
-    directory holding the model's config and safetensors): float32, no tokenizer (requests
-    are token ids), eager mode. Override any of them through ``engine_args``."""
-    return {
-        "model": model_path,
-        "skip_tokenizer_init": True,
-        "dtype": "float32",
-        "enforce_eager": True,
-        "seed": 0,
-        # vLLM in this process (no engine-core or worker process to spawn): with
-        # VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the worker, it starts in seconds
-        "distributed_executor_backend": "uni",
-    }
+class VLLMRolloutWorker(VLLMRolloutWorkerBase):
+    """One vLLM engine (vLLM's ``LLM``, in this process: no engine-core or worker process to
+    spawn, so it starts in seconds) in a Ray actor; one rank of a sync. See
+    :class:`~weightsync_vllm.rollout_worker_base.VLLMRolloutWorkerBase` for what it does;
+    :class:`~weightsync_vllm.async_worker.AsyncVLLMRolloutWorker` runs vLLM as servers do."""
 
+    # vLLM's engine core and worker in this process
+    _vllm_env: ClassVar[dict[str, str]] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
-class VLLMRolloutWorker:
-    """One vLLM engine in a Ray actor (vLLM's ``LLM``, in this process); one rank of a sync.
-
-    The weightsync engine is vLLM's weight-transfer engine
-    (``weight_transfer_config=WeightTransferConfig(backend="weightsync")``); this actor
-    forwards the manager's calls to it: engine stages through ``collective_rpc``, the transfer
-    through vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
-    Generation and updates never overlap (one lock); a sync pauses the worker (generation
-    refused) until it completes. After a failed sync the worker stays paused,
-    :meth:`weights_status` reports the update incomplete and :meth:`generate` refuses to serve
-    until a sync succeeds.
-
-    Args:
-        config: how weights reach this worker (backend, timeout, verification, ...).
-        model_path: the model directory vLLM loads at start.
-        engine_args: vLLM engine arguments overriding :func:`default_engine_args`.
-        temperature: sampling temperature of :meth:`generate`.
-        env: environment variables set before vLLM starts (e.g. ``VLLM_CPU_KVCACHE_SPACE``).
-    """
-
-    def __init__(
-        self,
-        config: CheckpointEngineConfig,
-        model_path: str,
-        engine_args: dict[str, Any] | None = None,
-        temperature: float = 1.0,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
-        # transports listen on this Ray node's address
-        os.environ.setdefault("WEIGHTSYNC_HOST", default_host())
-        self.config = config
-        self.engine_args = {**default_engine_args(model_path), **(engine_args or {})}
-        if self.engine_args.get("tensor_parallel_size", 1) != 1:
-            raise ValueError(
-                "a VLLMRolloutWorker is one rank of a sync and runs one vLLM worker; use "
-                "tensor_parallel_size=1 and more workers per replica"
-            )
-        self.temperature = temperature
-        self.weights_version: int | None = None
-        self.update_complete = True
-        self.paused = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Start vLLM; the arguments are :class:`VLLMRolloutWorkerBase`'s."""
+        super().__init__(*args, **kwargs)
         self._llm = self._start_vllm()
-        self._transfer_ready = False
-        self._serving = asyncio.Lock()  # generation and weight updates take turns
 
     def _start_vllm(self) -> Any:
         """Start vLLM; returns once the model is loaded, so that the actor's readiness is
         vLLM's."""
         from vllm import LLM
-        from vllm.config import WeightTransferConfig
 
-        return LLM(
-            **self.engine_args,
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-            worker_extension_cls="weightsync_vllm.extension.WeightsyncWorkerExtension",
-        )
+        return LLM(**self.engine_args, **self._weight_transfer_args())
 
-    async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``collective_rpc`` on its one worker (off the event loop)."""
-        (result,) = await asyncio.to_thread(self._llm.collective_rpc, method, args=args,
-                                            kwargs=kwargs)
+    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
+        (result,) = await asyncio.to_thread(self._llm.collective_rpc, method, kwargs=kwargs)
         return result
 
-    async def _ensure_transfer_engine(self) -> None:
-        if not self._transfer_ready:
-            await self._rpc("init_weight_transfer_engine",
-                            init_info=dataclasses.asdict(self.config))
-            self._transfer_ready = True
-
-    async def set_checkpoint_engine(self, config: CheckpointEngineConfig) -> None:
-        """Receive later syncs with ``config`` (another backend, timeout, ...): the
-        weightsync engine in vLLM's worker is rebuilt (unless ``config`` is the current one)."""
-        if config != self.config or not self._transfer_ready:
-            self.config = config
-            self._transfer_ready = False
-            await self._ensure_transfer_engine()
-
-    async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
-        """Run one weightsync engine method in vLLM's worker."""
-        await self._ensure_transfer_engine()
-        return await self._rpc("weightsync_call", method, kwargs)
-
-    async def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
-    ) -> dict[str, float]:
-        """Receive one version of the weights into vLLM's model through vLLM's
-        weight-transfer calls, with weightsync as the engine."""
-        await self._ensure_transfer_engine()
-        async with self._serving:
-            self.update_complete = False
-            await self._rpc("start_weight_update")
-            await self._rpc("update_weights", update_info={
-                "global_steps": global_steps, "allow_manifest_change": allow_manifest_change,
-            })
-            await self._rpc("finish_weight_update")
-            self.weights_version = global_steps
-            self.update_complete = True
-        return await self._rpc("weightsync_last_stats")
-
-    def weights_status(self) -> dict[str, Any]:
-        """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
-        return {"version": self.weights_version, "complete": self.update_complete}
-
-    async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
-    ) -> torch.Tensor:
-        """Sample exactly ``response_length`` tokens after each row of ``prompt_ids``
-        (``[batch, prompt_length]``); ``temperature`` 0 is greedy. Returns
-        ``[batch, response_length]`` token ids."""
-        from vllm import SamplingParams
-
-        async with self._serving:
-            self._check_serving()
-            params = [SamplingParams(
-                temperature=self.temperature, max_tokens=response_length,
-                min_tokens=response_length, ignore_eos=True, seed=seed + index,
-                detokenize=False,
-            ) for index in range(prompt_ids.shape[0])]
-            prompts = [{"prompt_token_ids": row.tolist()} for row in prompt_ids]
-            outputs = await asyncio.to_thread(self._llm.generate, prompts, params,
-                                              use_tqdm=False)
-        return torch.tensor([list(output.outputs[0].token_ids) for output in outputs],
-                            dtype=prompt_ids.dtype)
-
-    def _check_serving(self) -> None:
-        if not self.update_complete:
-            raise WeightSyncError(
-                "this vLLM replica's last weight update did not complete: it holds a mix of "
-                "old and new weights and does not serve until a sync succeeds"
-            )
-        if self.paused:
-            raise WeightSyncError(
-                "this vLLM replica is paused for a weight sync; it serves again after "
-                "resume_generation"
-            )
-
-    async def abort_all_requests(self) -> None:
-        """Pause: new requests are refused; a generation in flight finishes first."""
-        async with self._serving:
-            self.paused = True
-
-    async def resume_generation(self) -> None:
-        """Serve again after a complete sync."""
-        self.paused = False
-
-    def is_paused(self) -> bool:
-        """Whether requests are refused (during a sync, and after a failed one)."""
-        return self.paused
-
-    async def reload_from_disk(self, directory: str) -> None:
-        """Load the safetensors in ``directory`` into the model (vLLM's own
-        ``reload_weights``): the way to update weights without weightsync, the benchmarks'
-        baseline."""
-        async with self._serving:
-            await self._rpc("reload_weights", weights_path=directory)
-
-    async def release_kv_cache(self) -> None:
-        """Nothing: the KV cache stays allocated during a sync (vLLM frees it only through
-        its CUDA sleep mode, which also releases the weights being updated)."""
-
-    async def resume_kv_cache(self) -> None:
-        """Nothing (see :meth:`release_kv_cache`)."""
+    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
+                      ) -> list[list[int]]:
+        outputs = await asyncio.to_thread(self._llm.generate, prompts, params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
 
     async def sleep(self) -> None:
         """vLLM's sleep (level 1: weights offloaded, KV cache freed); needs

@@ -1,0 +1,216 @@
+"""What every vLLM rollout worker does, whichever vLLM front end it runs: take part in
+weightsync's syncs through vLLM's weight-transfer calls, and refuse to serve weights a sync
+left incomplete."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync_core import CheckpointEngineConfig, WeightSyncError
+from weightsync_core.spi import default_host
+
+__all__ = ["VLLMRolloutWorkerBase", "default_engine_args"]
+
+
+def default_engine_args(model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments for a weightsync rollout worker serving ``model_path`` (a
+    directory holding the model's config and safetensors): float32, no tokenizer (requests
+    are token ids), eager mode. Override any of them through ``engine_args``."""
+    return {
+        "model": model_path,
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+    }
+
+
+class VLLMRolloutWorkerBase:
+    """One vLLM engine in a Ray actor; one rank of a sync. Subclasses run vLLM (``_rpc``,
+    ``_sample``).
+
+    The weightsync engine is vLLM's weight-transfer engine
+    (``weight_transfer_config=WeightTransferConfig(backend="weightsync")``); this actor
+    forwards the manager's calls to it: engine stages through ``collective_rpc``, the transfer
+    through vLLM's ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``.
+    Generation and updates never overlap (one lock); a sync pauses the worker (generation
+    refused) until it completes. After a failed sync the worker stays paused,
+    :meth:`weights_status` reports the update incomplete and :meth:`generate` refuses to serve
+    until a sync succeeds (vLLM's model holds a mix of versions then; weightsync's engine has
+    ended vLLM's reload cleanly, so vLLM itself keeps running).
+
+    Args:
+        config: how weights reach this worker (backend, timeout, verification, ...).
+        model_path: the model directory vLLM loads at start.
+        engine_args: vLLM engine arguments overriding :func:`default_engine_args`.
+        temperature: sampling temperature of :meth:`generate`.
+        env: environment variables set before vLLM starts (e.g. ``VLLM_CPU_KVCACHE_SPACE``).
+    """
+
+    _executor_backend: str = "uni"
+    """vLLM's ``distributed_executor_backend`` unless ``engine_args`` says otherwise."""
+    _vllm_env: ClassVar[dict[str, str]] = {}
+    """Environment variables the subclass's way of running vLLM needs."""
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig,
+        model_path: str,
+        engine_args: dict[str, Any] | None = None,
+        temperature: float = 1.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        os.environ.update({**self._vllm_env, **(env or {})})
+        # transports listen on this Ray node's address
+        os.environ.setdefault("WEIGHTSYNC_HOST", default_host())
+        self.config = config
+        self.engine_args = {**default_engine_args(model_path),
+                            "distributed_executor_backend": self._executor_backend,
+                            **(engine_args or {})}
+        if self.engine_args.get("tensor_parallel_size", 1) != 1:
+            raise ValueError(
+                f"a {type(self).__name__} is one rank of a sync and receives into one vLLM "
+                "worker; use tensor_parallel_size=1 and more workers per replica"
+            )
+        self.temperature = temperature
+        self.weights_version: int | None = None
+        self.update_complete = True
+        self.paused = False
+        self._transfer_ready = False
+        self.last_update: dict[str, float] = {}
+        self._serving = asyncio.Lock()  # generation and weight updates take turns
+
+    @staticmethod
+    def _weight_transfer_args() -> dict[str, Any]:
+        """The engine arguments that make weightsync vLLM's weight-transfer engine."""
+        from vllm.config import WeightTransferConfig
+
+        from weightsync_vllm.plugin import BACKEND_NAME
+
+        return {
+            "weight_transfer_config": WeightTransferConfig(backend=BACKEND_NAME),
+            "worker_extension_cls": "weightsync_vllm.extension.WeightsyncWorkerExtension",
+        }
+
+    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
+        """vLLM's ``collective_rpc`` of ``method`` on its workers; returns rank 0's result."""
+        raise NotImplementedError
+
+    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
+                      ) -> list[list[int]]:
+        """The token ids vLLM samples for each prompt with its ``SamplingParams``."""
+        raise NotImplementedError
+
+    async def _engine_paused(self, paused: bool) -> None:
+        """Tell vLLM's engine the worker pauses or resumes (nothing by default)."""
+
+    async def _ensure_transfer_engine(self) -> None:
+        if not self._transfer_ready:
+            await self._rpc("init_weight_transfer_engine",
+                            init_info=dataclasses.asdict(self.config))
+            self._transfer_ready = True
+
+    async def set_checkpoint_engine(self, config: CheckpointEngineConfig) -> None:
+        """Receive later syncs with ``config`` (another backend, timeout, ...): the
+        weightsync engine in vLLM's worker is rebuilt (unless ``config`` is the current one)."""
+        if config != self.config or not self._transfer_ready:
+            self.config = config
+            self._transfer_ready = False
+            await self._ensure_transfer_engine()
+
+    async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Run one weightsync engine method in vLLM's worker."""
+        await self._ensure_transfer_engine()
+        return await self._rpc("weightsync_call", method=method, kwargs=kwargs)
+
+    async def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Receive one version of the weights into vLLM's model through vLLM's
+        weight-transfer calls, with weightsync as the engine."""
+        await self._ensure_transfer_engine()
+        async with self._serving:
+            self.update_complete = False
+            await self._rpc("start_weight_update")
+            await self._rpc("update_weights", update_info={
+                "global_steps": global_steps, "allow_manifest_change": allow_manifest_change,
+            })
+            await self._rpc("finish_weight_update")
+            self.weights_version = global_steps
+            self.update_complete = True
+        self.last_update = await self._rpc("weightsync_last_stats")
+        return self.last_update
+
+    def last_update_stats(self) -> dict[str, float]:
+        """What the last complete update moved and the seconds vLLM spent loading it
+        (``load_seconds`` in ``load_weights``, ``finish_seconds`` processing at the end)."""
+        return dict(self.last_update)
+
+    def weights_status(self) -> dict[str, Any]:
+        """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
+        return {"version": self.weights_version, "complete": self.update_complete}
+
+    async def generate(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> torch.Tensor:
+        """Sample exactly ``response_length`` tokens after each row of ``prompt_ids``
+        (``[batch, prompt_length]``); ``temperature`` 0 is greedy. Returns
+        ``[batch, response_length]`` token ids."""
+        from vllm import SamplingParams
+
+        async with self._serving:
+            self._check_serving()
+            params = [SamplingParams(
+                temperature=self.temperature, max_tokens=response_length,
+                min_tokens=response_length, ignore_eos=True, seed=seed + index,
+                detokenize=False,
+            ) for index in range(prompt_ids.shape[0])]
+            prompts = [{"prompt_token_ids": row.tolist()} for row in prompt_ids]
+            tokens = await self._sample(prompts, params)
+        return torch.tensor(tokens, dtype=prompt_ids.dtype)
+
+    def _check_serving(self) -> None:
+        if not self.update_complete:
+            raise WeightSyncError(
+                "this vLLM replica's last weight update did not complete: it holds a mix of "
+                "old and new weights and does not serve until a sync succeeds"
+            )
+        if self.paused:
+            raise WeightSyncError(
+                "this vLLM replica is paused for a weight sync; it serves again after "
+                "resume_generation"
+            )
+
+    async def abort_all_requests(self) -> None:
+        """Pause: new requests are refused; a generation in flight finishes first."""
+        async with self._serving:
+            self.paused = True
+            await self._engine_paused(True)
+
+    async def resume_generation(self) -> None:
+        """Serve again after a complete sync."""
+        self.paused = False
+        await self._engine_paused(False)
+
+    def is_paused(self) -> bool:
+        """Whether requests are refused (during a sync, and after a failed one)."""
+        return self.paused
+
+    async def reload_from_disk(self, directory: str) -> None:
+        """Load the safetensors in ``directory`` into the model (vLLM's own
+        ``reload_weights``): the way to update weights without weightsync, the benchmarks'
+        baseline."""
+        async with self._serving:
+            await self._rpc("reload_weights", weights_path=directory)
+
+    async def release_kv_cache(self) -> None:
+        """Nothing: the KV cache stays allocated during a sync (vLLM frees it only through
+        its CUDA sleep mode, which also releases the weights being updated)."""
+
+    async def resume_kv_cache(self) -> None:
+        """Nothing (see :meth:`release_kv_cache`)."""

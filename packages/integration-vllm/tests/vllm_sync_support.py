@@ -1,0 +1,65 @@
+"""What the vLLM tests share: the sync configuration, and a sender with a Hugging Face copy
+of its weights that tells the greedy tokens vLLM must give after a sync."""
+
+import itertools
+
+import ray
+import torch
+import transformers
+from vllm_test_actors import FaultySource
+
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineManager,
+    RayRolloutReplica,
+    RayWorkerGroup,
+)
+from weightsync_core.testing.weights import Faults
+from weightsync_vllm.model_source import perturb_
+
+SEEDS = itertools.count(1)
+
+
+def sync_config(backend: str, timeout: float = 60) -> CheckpointEngineConfig:
+    """1 MiB buckets: a model's 2 MiB embedding and head are chunked across buckets."""
+    return CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=1,
+                                  sync_timeout_seconds=timeout)
+
+
+class Sender:
+    """A sending actor (a :class:`FaultySource`, well-behaved until told otherwise) and a
+    Hugging Face model holding the same weights, in this process."""
+
+    def __init__(self, model_path: str, backend: str = "gloo") -> None:
+        self.model_path = model_path
+        self.actor = ray.remote(num_cpus=0)(FaultySource).remote(sync_config(backend),
+                                                                 model_path, Faults())
+        self.reference = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32)
+
+    def perturb(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """New weights on both sides (a fresh seed); returns the reference's greedy tokens
+        after ``prompts``."""
+        seed = next(SEEDS)
+        ray.get(self.actor.perturb.remote(seed))
+        perturb_(self.reference, seed)
+        output = self.reference.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                         do_sample=False, max_new_tokens=new_tokens,
+                                         pad_token_id=0)
+        return output[:, prompts.shape[1]:]
+
+    def sync_into(self, rollout, backend: str = "gloo", faults: Faults | None = None,
+                  step: int | None = None) -> tuple[CheckpointEngineManager, dict[str, float]]:
+        """One sync over ``backend`` (both engines switched to it) into the one-worker
+        replica ``rollout``, the sender misbehaving as ``faults`` says; returns the manager
+        and the sync's metrics."""
+        config = sync_config(backend)
+        ray.get([self.actor.init_checkpoint_engine.remote(config),
+                 self.actor.set_faults.remote(faults or Faults()),
+                 rollout.set_checkpoint_engine.remote(config)])
+        manager = CheckpointEngineManager(config, RayWorkerGroup([self.actor]),
+                                          [RayRolloutReplica([rollout])])
+        return manager, manager.update_weights(next(SEEDS) if step is None else step)
+
+    def kill(self) -> None:
+        ray.kill(self.actor)
