@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 
 import msgspec
 
+from weightsync_core.wire import decode_hook
+
 __all__ = ["ConversionError", "convert", "describe_type"]
 
 T = TypeVar("T")
@@ -77,7 +79,8 @@ class ConversionError(ValueError):
 
 
 def convert(data: Any, target: type[T]) -> T:
-    """Build ``target`` (a dataclass) from ``data`` (plain mappings, sequences, scalars).
+    """Build ``target`` (a dataclass) from ``data`` (plain mappings, sequences, scalars; a
+    torch dtype may be given by its name, as MessagePack carries it).
 
     Raises:
         ConversionError: an unknown key, a value of the wrong type, or a value ``target``'s own
@@ -85,7 +88,7 @@ def convert(data: Any, target: type[T]) -> T:
     """
     _refuse_unknown_keys(data, target, ())
     try:
-        return msgspec.convert(data, target, strict=True)
+        return msgspec.convert(data, target, strict=True, dec_hook=decode_hook)
     except msgspec.ValidationError as exc:
         raise _explain(str(exc), data, target, exc.__cause__ or exc.__context__) from None
 

@@ -109,7 +109,9 @@ def _encode_hook(value: Any) -> Any:
     raise NotImplementedError(f"cannot send a {type(value).__name__} in a control message")
 
 
-def _decode_hook(kind: type, value: Any) -> Any:
+def decode_hook(kind: type, value: Any) -> Any:
+    """msgspec's ``dec_hook`` for what control messages carry beyond MessagePack's types
+    (a torch dtype, by its name)."""
     if kind is torch.dtype:
         if isinstance(value, str) and value in _DTYPES:
             return _DTYPES[value]
@@ -127,7 +129,7 @@ class MessageCodec(Generic[M]):
 
     def __init__(self, schema: Any) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
-        self._decoder = msgspec.msgpack.Decoder(schema, dec_hook=_decode_hook)
+        self._decoder = msgspec.msgpack.Decoder(schema, dec_hook=decode_hook)
 
     def encode(self, message: M) -> bytes:
         """The message's bytes."""
