@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import pytest
+import torch
 
 from weightsync_core import ConversionError, convert
 
@@ -73,3 +74,18 @@ def test_the_structures_own_check_keeps_its_words_and_its_exception():
     assert error.reason == "count must be >= 1, got 0"
     assert isinstance(error.error, OwnError)
     assert isinstance(error, ValueError)
+
+
+@dataclass
+class _Typed:
+    dtype: torch.dtype
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, "bfloat16"], ids=["dtype", "its name"])
+def test_a_torch_dtype_is_taken_as_itself_or_by_its_name(given):
+    assert convert({"dtype": given}, _Typed).dtype is torch.bfloat16
+
+
+def test_a_name_that_is_no_torch_dtype_is_refused():
+    with pytest.raises(ConversionError, match="'bfloat17' is not a torch dtype"):
+        convert({"dtype": "bfloat17"}, _Typed)

@@ -111,8 +111,11 @@ def _encode_hook(value: Any) -> Any:
 
 def decode_hook(kind: type, value: Any) -> Any:
     """msgspec's ``dec_hook`` for what control messages carry beyond MessagePack's types
-    (a torch dtype, by its name)."""
+    (a torch dtype, by its name; :func:`~weightsync_core.convert` also meets the dtype
+    itself)."""
     if kind is torch.dtype:
+        if isinstance(value, torch.dtype):
+            return value
         if isinstance(value, str) and value in _DTYPES:
             return _DTYPES[value]
         raise ValueError(f"{value!r} is not a torch dtype")
