@@ -114,3 +114,37 @@ def test_efa_module_is_left_out_only_without_efa_devices(tmp_path, monkeypatch):
     assert ucx_module_defaults({"UCX_MODULES": "ib,tcp"}) == {}
     monkeypatch.setenv("UCX_MODULES", "*")
     assert ucx_module_defaults({}) == {}
+
+
+def test_connected_agents_leave_the_cpu_idle_between_transfers():
+    """NIXL's Python API starts each agent's progress thread polling without pause: one CPU
+    core per process, busy for as long as the agent lives (a trainer and every replica,
+    between syncs too)."""
+    script = textwrap.dedent("""
+        import os, time
+        import torch
+        from weightsync_nixl import NixlTransport
+        first, second = NixlTransport(), NixlTransport()
+        source = torch.ones(1 << 20, dtype=torch.uint8)
+        target = torch.zeros_like(source)
+        first.register(source)
+        remote = second.register(target)
+        first.write(first.connect(second.metadata()), source, remote, timeout=30)
+        assert torch.equal(source, target)
+        time.sleep(0.5)
+        start, used = time.monotonic(), sum(os.times()[:2])
+        time.sleep(2)
+        print(f"{(sum(os.times()[:2]) - used) / (time.monotonic() - start):.3f}")
+        first.close()
+        second.close()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cores = float(done.stdout.split()[-1])
+    assert cores < 0.25, f"two idle, connected agents kept {cores:.2f} CPU cores busy"
+
+
+def test_progress_delay_is_checked_before_an_agent_starts():
+    with pytest.raises(EngineOptionsError, match="progress_delay_us"):
+        CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"progress_delay_us": -1}})

@@ -39,4 +39,4 @@ class NixlCheckpointEngine(RingCheckpointEngine):
 
     def create_transport(self) -> NixlTransport:
         return NixlTransport(self.plugin, self.plugin_params, self.env, self.num_threads,
-                             self.host or default_host())
+                             self.host or default_host(), self.options.progress_delay_us)

@@ -9,7 +9,10 @@ from weightsync_core.spi import (
     RingOptions,
 )
 
-__all__ = ["NixlOptions"]
+__all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlOptions"]
+
+DEFAULT_PROGRESS_DELAY_US = 1000
+"""How long a NIXL agent's progress thread waits for network events between passes (µs)."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,10 @@ class NixlOptions(RingOptions):
         ucx_env: further ``UCX_*`` variables to set before the agent starts, e.g.
             ``{"UCX_NET_DEVICES": "mlx5_0:1", "UCX_RNDV_THRESH": "8192"}``.
         num_threads: worker threads of the plugin (0: its default).
+        progress_delay_us: the longest the agent's progress thread waits for network
+            events between passes, in microseconds (events wake it at once). 0 polls
+            without pause: a CPU core busy for the agent's whole life, for a few
+            microseconds less latency per message.
 
     ``device="cuda"`` needs a CUDA build of torch and UCX with CUDA support, which the
     nixl-cu12/cu13 wheels include.
@@ -38,6 +45,7 @@ class NixlOptions(RingOptions):
     ucx_transports: str | None = None
     ucx_env: Mapping[str, str] = field(default_factory=dict)
     num_threads: int = 0
+    progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +59,10 @@ class NixlOptions(RingOptions):
             raise ValueError(f"option 'ucx_devices' applies to the UCX plugin, not {self.plugin!r}")
         if self.num_threads < 0:
             raise ValueError(f"option 'num_threads' must be >= 0, got {self.num_threads}")
+        if self.progress_delay_us < 0:
+            raise ValueError(
+                f"option 'progress_delay_us' must be >= 0, got {self.progress_delay_us}"
+            )
 
     def plugin_init_params(self) -> dict[str, str]:
         """The plugin's init parameters: ``plugin_params`` plus ``ucx_devices``."""
