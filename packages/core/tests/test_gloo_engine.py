@@ -2,11 +2,14 @@
 
 import asyncio
 import dataclasses
+import socket
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
 from weightsync_core.engines import GlooCheckpointEngine
 from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
 from weightsync_core.testing import digests, make_weights
@@ -262,3 +265,21 @@ def test_buffers_released_after_each_sync_are_reallocated_for_the_next():
         assert not isinstance(sent[0], Exception), sent[0]
         assert torch.equal(received[0]["w"], weights["w"])
         assert engines.actors[0]._send_buffers == []
+
+
+def test_an_actor_that_builds_a_new_engine_closes_the_one_it_replaces():
+    """Whatever still refers to the old engine (a task of a failed sync, a traceback), its
+    listener closes when the new engine is built, not when the last reference goes."""
+    holder = ActorCheckpointEngineMixin()
+    config = CheckpointEngineConfig(backend="gloo", engine_kwargs={"gloo": {"host": "127.0.0.1"}})
+    holder.init_checkpoint_engine(config)
+    replaced = holder.checkpoint_engine
+    port = replaced.prepare()["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # listening while it is the actor's engine
+
+    holder.init_checkpoint_engine(config)
+
+    assert holder.checkpoint_engine is not replaced
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

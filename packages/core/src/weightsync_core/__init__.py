@@ -64,7 +64,12 @@ from weightsync_core.plugins import load_class, load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica, ServerAdapter
 from weightsync_core.registry import BackendInfo, BackendState, CheckpointEngineRegistry
 from weightsync_core.wire import new_session_key
-from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker, build_engine
+from weightsync_core.worker import (
+    ActorCheckpointEngineMixin,
+    CheckpointEngineWorker,
+    build_engine,
+    close_engine,
+)
 
 if TYPE_CHECKING:
     from weightsync_core.local_ray import ensure_ray
@@ -152,6 +157,7 @@ __all__ = [
     "__version__",
     "awaitable_or_blocking",
     "build_engine",
+    "close_engine",
     "convert",
     "ensure_ray",
     "load_checkpoint_manager_class",

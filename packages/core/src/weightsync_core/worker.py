@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
@@ -25,7 +26,9 @@ from weightsync_core.protocols import ServerAdapter
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.verification import ManifestGuard
 
-__all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine"]
+__all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine", "close_engine"]
+
+logger = logging.getLogger(__name__)
 
 _BLOCKING_METHODS = frozenset({"init_process_group", "finalize", "abort"})
 
@@ -49,6 +52,21 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
         **_accepted(engine_cls, options),
         **config.active_engine_kwargs,
     )
+
+
+def close_engine(engine: Any) -> None:
+    """Release what an engine about to be replaced holds (its group, transport threads,
+    listening sockets), if it has a ``close`` (an engine written for verl may not). Left to
+    the garbage collector, a replaced engine keeps them for as long as anything refers to
+    it, and a transport's destructor then runs wherever the last reference goes. A failure
+    to close is logged: the engine is dropped either way."""
+    close = getattr(engine, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:
+        logger.warning("closing the replaced %s failed", type(engine).__name__, exc_info=True)
 
 
 def _accepted(engine_cls: type[CheckpointEngine], options: dict[str, Any]) -> dict[str, Any]:
@@ -341,7 +359,9 @@ class ActorCheckpointEngineMixin:
     def init_checkpoint_engine(
         self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
     ) -> None:
-        """Build this process's engine (importing ``custom_backend_module`` first)."""
+        """Build this process's engine (importing ``custom_backend_module`` first); an
+        engine built before is closed first."""
+        close_engine(getattr(self, "checkpoint_engine", None))
         self.checkpoint_engine = build_engine(config)
         self.checkpoint_engine_config = config
         self.colocated_server_adapter = server_adapter

@@ -42,8 +42,9 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 
+from weightsync_core import close_engine
 from weightsync_verl.cpu_platform import PLATFORM
-from weightsync_verl.scenario import close_engine, digest
+from weightsync_verl.scenario import digest
 
 __all__ = [
     "CPU_WORKER_ENV",

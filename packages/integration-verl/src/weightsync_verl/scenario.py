@@ -34,12 +34,13 @@ from verl.utils.import_utils import import_external_libs, load_class_from_fqn
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
+from weightsync_core import close_engine
+
 __all__ = [
     "RecordingCheckpointEngineWorker",
     "RecordingReplica",
     "TrainerWorker",
     "VerlCluster",
-    "close_engine",
     "digest",
     "make_cluster",
     "make_manager",
@@ -159,13 +160,6 @@ def _backend(config: CheckpointEngineConfig) -> str:
     if not config.backend:
         raise ValueError("verl's CheckpointEngineConfig names no backend: set backend=")
     return config.backend
-
-
-def close_engine(engine: Any) -> None:
-    """Release what a replaced engine holds (listeners, buffers), if it can say so."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
 
 
 class RecordingServerAdapter(BaseRollout):
