@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import BackendNotFoundError, PluginError
 
-__all__ = ["CheckpointEngineConfig", "parse_dtype"]
+__all__ = ["MAX_BUCKET_MEGABYTES", "CheckpointEngineConfig", "parse_dtype"]
+
+MAX_BUCKET_MEGABYTES = 64 << 10
+"""The largest bucket accepted (64 GiB): a sender allocates two, a receiver up to three."""
 
 
 @dataclass
@@ -46,15 +50,17 @@ class CheckpointEngineConfig:
         if (
             isinstance(self.update_weights_bucket_megabytes, bool)
             or not isinstance(self.update_weights_bucket_megabytes, int)
-            or self.update_weights_bucket_megabytes <= 0
+            or not 0 < self.update_weights_bucket_megabytes <= MAX_BUCKET_MEGABYTES
         ):
             raise ValueError(
-                "update_weights_bucket_megabytes must be a positive integer (MiB), got "
-                f"{self.update_weights_bucket_megabytes!r}"
+                "update_weights_bucket_megabytes must be a positive integer (MiB) of at most "
+                f"{MAX_BUCKET_MEGABYTES} (64 GiB), got {self.update_weights_bucket_megabytes!r}"
             )
-        if not self.sync_timeout_seconds > 0:
+        timeout = self.sync_timeout_seconds
+        if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                or not math.isfinite(timeout) or timeout <= 0):
             raise ValueError(
-                f"sync_timeout_seconds must be > 0, got {self.sync_timeout_seconds!r}"
+                f"sync_timeout_seconds must be a finite number of seconds > 0, got {timeout!r}"
             )
         if not isinstance(self.engine_kwargs, dict) or not all(
             isinstance(v, dict) for v in self.engine_kwargs.values()
