@@ -1,6 +1,8 @@
 """vLLM as its servers run it: ``AsyncLLM`` with its engine core and its worker in processes
 of their own (every call between them msgpack), receiving over every CPU backend; three
-syncs in a row each give Hugging Face's greedy tokens. A failed sync, then vLLM's own
+syncs in a row each give Hugging Face's greedy tokens. Every failure the in-process tests
+cover (the sender failing at each tensor, a wrong shape or an unknown name at a first and a
+later sync, a first sync missing a tensor, a killed sender), each followed by vLLM's own
 ``resume_generation`` and a request straight to vLLM: the engine keeps running (it serves the
 mix of versions the failed sync left, which weightsync's worker refuses to serve), and the
 next sync brings exactly the sender's weights. One AsyncLLM serves the whole module."""
@@ -8,7 +10,7 @@ next sync brings exactly the sender's weights. One AsyncLLM serves the whole mod
 import pytest
 import ray
 import torch
-from vllm_sync_support import running_rollout
+from vllm_sync_support import Sender, running_rollout, sync_config
 from vllm_test_actors import ProbedAsyncWorker
 
 from weightsync_core import SyncStageError
@@ -37,21 +39,76 @@ def test_three_syncs_in_a_row_give_hf_tokens(backend, rollout, source):
         assert not ray.get(rollout.engine_paused.remote())
 
 
-def test_vllm_resumed_after_a_failed_sync_keeps_running_and_the_next_sync_recovers(
-    rollout, source
-):
-    source.perturb(PROMPTS, NEW_TOKENS)
-    name = "model.layers.0.self_attn.k_proj.weight"  # mid-layer: q_proj was loaded
-    with pytest.raises(SyncStageError, match=f"{name}.unknown"):
-        source.sync_into(rollout, faults=Faults(rename=name))
-    assert ray.get(rollout.engine_paused.remote())  # the manager left vLLM paused
-    ray.get(rollout.resume_generation.remote())  # vLLM's own resume_generation
-    assert not ray.get(rollout.engine_paused.remote())
-    served = ray.get(rollout.generate_anyway.remote(PROMPTS, NEW_TOKENS))  # vLLM still runs
+def _fails_then_vllm_resumes(rollout, sender, faults: Faults, match: str) -> None:
+    """A sync from ``sender`` misbehaving as ``faults`` says fails with ``match`` in its
+    error; vLLM's own resume then serves (the engine lives) while weightsync's worker
+    refuses."""
+    with pytest.raises(SyncStageError) as failure:
+        sender.sync_into(rollout, faults=faults)
+    assert match in str(failure.value), failure.value
+    assert ray.get(rollout.weights_status.remote())["complete"] is False
+    assert ray.get(rollout.engine_paused.remote())
+    ray.get(rollout.resume_generation.remote())
+    served = ray.get(rollout.generate_anyway.remote(PROMPTS, NEW_TOKENS))
     assert served.shape == (PROMPTS.shape[0], NEW_TOKENS)
     with pytest.raises(ray.exceptions.RayTaskError, match="did not complete"):
         _generate(rollout)
 
-    expected = source.perturb(PROMPTS, NEW_TOKENS)
+
+def _recovers(rollout, source, expected: torch.Tensor) -> None:
     source.sync_into(rollout)
+    assert ray.get(rollout.weights_status.remote())["complete"] is True
     assert torch.equal(_generate(rollout), expected)
+
+
+def _first_sync_next(rollout) -> None:
+    """A fresh transfer engine in vLLM's worker: the next sync is its first."""
+    ray.get(rollout.set_checkpoint_engine.remote(sync_config("gloo", timeout=61)))
+    ray.get(rollout.set_checkpoint_engine.remote(sync_config("gloo")))
+
+
+def test_a_sender_failing_at_every_tensor_then_vllms_resume_keeps_vllm_running(
+    rollout, source
+):
+    names = ray.get(source.actor.tensor_names.remote())
+    for index in range(len(names)):
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        _fails_then_vllm_resumes(rollout, source, Faults(raise_after=index), "injected failure")
+        _recovers(rollout, source, expected)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-sync", "later-sync"])
+@pytest.mark.parametrize("fault", ["reshape", "rename"])
+def test_a_refused_tensor_then_vllms_resume_keeps_vllm_running(rollout, source, fault, first):
+    names = ray.get(source.actor.tensor_names.remote())
+    name = names[len(names) // 2]
+    if first:
+        _first_sync_next(rollout)
+    expected = source.perturb(PROMPTS, NEW_TOKENS)
+    _fails_then_vllm_resumes(
+        rollout, source, Faults(**{fault: name}),
+        f"tensor {name!r}" if fault == "reshape" else f"{name}.unknown",
+    )
+    _recovers(rollout, source, expected)
+
+
+def test_a_first_sync_missing_a_tensor_then_vllms_resume_keeps_vllm_running(rollout, source):
+    name = ray.get(source.actor.tensor_names.remote())[3]
+    _first_sync_next(rollout)
+    expected = source.perturb(PROMPTS, NEW_TOKENS)
+    _fails_then_vllm_resumes(rollout, source, Faults(omit=name),
+                             "did not deliver 1 of the model's tensors")
+    _recovers(rollout, source, expected)
+
+
+def test_a_killed_sender_then_vllms_resume_keeps_vllm_running(rollout, source, model_path):
+    doomed = Sender(model_path)
+    try:
+        doomed.perturb(PROMPTS, NEW_TOKENS)
+        names = ray.get(doomed.actor.tensor_names.remote())
+        _fails_then_vllm_resumes(rollout, doomed, Faults(die_after=len(names) // 2),
+                                 "actor_wg rank 0")
+    finally:
+        doomed.kill()
+    expected = source.perturb(PROMPTS, NEW_TOKENS)
+    _recovers(rollout, source, expected)

@@ -30,11 +30,14 @@ def sync_config(backend: str, timeout: float = 60) -> CheckpointEngineConfig:
 
 
 @contextlib.contextmanager
-def running_rollout(worker_class: type, model_path: str) -> Iterator[Any]:
+def running_rollout(worker_class: type, model_path: str, engine_args: dict[str, Any] | None = None,
+                    env: dict[str, str] | None = None) -> Iterator[Any]:
     """A greedy vLLM rollout worker of ``worker_class`` serving ``model_path`` (1 GiB of KV
-    cache), started (``start()`` where the class has one) and shut down after."""
+    cache; ``engine_args`` and ``env`` added), started (``start()`` where the class has one)
+    and shut down after."""
     worker = ray.remote(num_cpus=0)(worker_class).remote(
-        sync_config("gloo"), model_path, temperature=0.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        sync_config("gloo"), model_path, engine_args, temperature=0.0,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
     )
     ray.get(worker.start.remote() if hasattr(worker_class, "start")
             else worker.__ray_ready__.remote())
@@ -68,16 +71,17 @@ class Sender:
         return output[:, prompts.shape[1]:]
 
     def sync_into(self, rollout, backend: str = "gloo", faults: Faults | None = None,
-                  step: int | None = None) -> tuple[CheckpointEngineManager, dict[str, float]]:
-        """One sync over ``backend`` (both engines switched to it) into the one-worker
-        replica ``rollout``, the sender misbehaving as ``faults`` says; returns the manager
-        and the sync's metrics."""
+                  step: int | None = None, replica: Any = None,
+                  ) -> tuple[CheckpointEngineManager, dict[str, float]]:
+        """One sync over ``backend`` (both engines switched to it) into the rollout actor
+        ``rollout`` (a one-worker replica unless ``replica`` is given), the sender
+        misbehaving as ``faults`` says; returns the manager and the sync's metrics."""
         config = sync_config(backend)
         ray.get([self.actor.init_checkpoint_engine.remote(config),
                  self.actor.set_faults.remote(faults or Faults()),
                  rollout.set_checkpoint_engine.remote(config)])
         manager = CheckpointEngineManager(config, RayWorkerGroup([self.actor]),
-                                          [RayRolloutReplica([rollout])])
+                                          [replica or RayRolloutReplica([rollout])])
         return manager, manager.update_weights(next(SEEDS) if step is None else step)
 
     def kill(self) -> None:

@@ -15,15 +15,15 @@ __all__ = ["AsyncVLLMRolloutWorker"]
 
 class AsyncVLLMRolloutWorker(VLLMRolloutWorkerBase):
     """One vLLM engine (vLLM's ``AsyncLLM``: its engine core in a process of its own, its
-    worker in a process of its own, every call between them msgpack) in a Ray actor; one rank
-    of a sync, so ``tensor_parallel_size`` is 1 (a tensor-parallel replica needs each of
-    vLLM's workers to be a rank of its own: not built yet). Pausing and resuming go through
+    workers in processes of their own, every call between them msgpack) in a Ray actor; each
+    vLLM worker is one rank of a sync (with ``tensor_parallel_size`` > 1, drive it through a
+    :class:`~weightsync_vllm.tensor_parallel.VLLMReplica`). Pausing and resuming go through
     vLLM's own ``pause_generation`` (waiting for requests in flight, clearing the prefix
     cache computed with the old weights) and ``resume_generation``. See
     :class:`~weightsync_vllm.rollout_worker_base.VLLMRolloutWorkerBase` for the rest. Start
     it with :meth:`start` (vLLM's engine needs the actor's event loop)."""
 
-    _executor_backend = "mp"  # vLLM's worker in a process of its own
+    _executor_backend = "mp"  # vLLM's workers in processes of their own
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Prepare (vLLM starts in :meth:`start`); the arguments are
@@ -49,9 +49,8 @@ class AsyncVLLMRolloutWorker(VLLMRolloutWorkerBase):
             raise RuntimeError("AsyncVLLMRolloutWorker.start() was not called")
         return self._llm
 
-    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
-        results = await self.engine.collective_rpc(method, kwargs=kwargs)
-        return results[0]  # every worker ran it; rank 0's result speaks for them
+    async def _rpc_all(self, method: str, /, **kwargs: Any) -> list[Any]:
+        return await self.engine.collective_rpc(method, kwargs=kwargs)
 
     async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
                       ) -> list[list[int]]:

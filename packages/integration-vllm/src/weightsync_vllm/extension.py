@@ -20,6 +20,14 @@ class WeightsyncWorkerExtension:
         """Run ``method`` on this worker's weightsync weight-transfer engine."""
         return self._weightsync_engine().call(method, kwargs)
 
+    def weightsync_call_per_rank(self, method: str, per_rank_kwargs: list[dict[str, Any]]
+                                 ) -> Any:
+        """Run ``method`` on this worker's engine with the arguments of its own rank (its
+        tensor-parallel rank: every vLLM worker of a replica is one rank of a sync)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return self.weightsync_call(method, per_rank_kwargs[get_tensor_model_parallel_rank()])
+
     def weightsync_last_stats(self) -> dict[str, float]:
         """What the last update moved (tensors, bytes, seconds)."""
         return dict(self._weightsync_engine().last_stats)

@@ -31,8 +31,10 @@ def default_engine_args(model_path: str) -> dict[str, Any]:
 
 
 class VLLMRolloutWorkerBase:
-    """One vLLM engine in a Ray actor; one rank of a sync. Subclasses run vLLM (``_rpc``,
-    ``_sample``).
+    """One vLLM engine in a Ray actor, each of its vLLM workers one rank of a sync (one with
+    ``tensor_parallel_size=1``, a :class:`~weightsync_vllm.tensor_parallel.VLLMReplica` of
+    several otherwise: every worker receives the full weights, and vLLM's loaders keep each
+    worker's shard). Subclasses run vLLM (``_rpc_all``, ``_sample``).
 
     The weightsync engine is vLLM's weight-transfer engine
     (``weight_transfer_config=WeightTransferConfig(backend="weightsync")``); this actor
@@ -72,11 +74,17 @@ class VLLMRolloutWorkerBase:
         self.engine_args = {**default_engine_args(model_path),
                             "distributed_executor_backend": self._executor_backend,
                             **(engine_args or {})}
-        if self.engine_args.get("tensor_parallel_size", 1) != 1:
+        if self.engine_args.get("pipeline_parallel_size", 1) != 1:
             raise ValueError(
-                f"a {type(self).__name__} is one rank of a sync and receives into one vLLM "
-                "worker; use tensor_parallel_size=1 and more workers per replica"
+                f"a {type(self).__name__} loads full copies into every vLLM worker; "
+                "pipeline_parallel_size must be 1 (tensor_parallel_size may be more)"
             )
+        self.tensor_parallel_size = int(self.engine_args.get("tensor_parallel_size", 1))
+        """vLLM workers of this engine: each is one rank of a sync (see
+        :class:`~weightsync_vllm.tensor_parallel.VLLMReplica`)."""
+        executor = "distributed_executor_backend"
+        if self.tensor_parallel_size > 1 and self.engine_args[executor] == "uni":
+            self.engine_args[executor] = "mp"  # "uni" runs one worker
         self.temperature = temperature
         self.weights_version: int | None = None
         self.update_complete = True
@@ -97,9 +105,15 @@ class VLLMRolloutWorkerBase:
             "worker_extension_cls": "weightsync_vllm.extension.WeightsyncWorkerExtension",
         }
 
-    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
-        """vLLM's ``collective_rpc`` of ``method`` on its workers; returns rank 0's result."""
+    async def _rpc_all(self, method: str, /, **kwargs: Any) -> list[Any]:
+        """vLLM's ``collective_rpc`` of ``method`` on its workers; every worker's result, in
+        rank order."""
         raise NotImplementedError
+
+    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
+        """vLLM's ``collective_rpc`` of ``method`` on its workers; rank 0's result (every
+        worker ran it)."""
+        return (await self._rpc_all(method, **kwargs))[0]
 
     async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
                       ) -> list[list[int]]:
@@ -128,11 +142,40 @@ class VLLMRolloutWorkerBase:
         await self._ensure_transfer_engine()
         return await self._rpc("weightsync_call", method=method, kwargs=kwargs)
 
+    async def execute_checkpoint_engine_per_rank(
+        self, method: str, per_rank_kwargs: list[dict[str, Any]]
+    ) -> Any:
+        """Run one weightsync engine method in each vLLM worker, worker ``i`` with
+        ``per_rank_kwargs[i]``; the results in rank order, one per worker (as Ray's
+        ``num_returns`` expects: a tuple, or the one result of a single worker)."""
+        if len(per_rank_kwargs) != self.tensor_parallel_size:
+            raise WeightSyncError(
+                f"{len(per_rank_kwargs)} ranks' arguments for {method}, but this vLLM engine "
+                f"has {self.tensor_parallel_size} workers: build its VLLMReplica with "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        await self._ensure_transfer_engine()
+        results = await self._rpc_all("weightsync_call_per_rank", method=method,
+                                      per_rank_kwargs=per_rank_kwargs)
+        return _one_per_rank(results)
+
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False
     ) -> dict[str, float]:
         """Receive one version of the weights into vLLM's model through vLLM's
-        weight-transfer calls, with weightsync as the engine."""
+        weight-transfer calls, with weightsync as the engine (rank 0's figures)."""
+        return (await self._update(global_steps, allow_manifest_change))[0]
+
+    async def update_weights_per_rank(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> Any:
+        """:meth:`update_weights`, every vLLM worker receiving as a rank of its own; each
+        worker's figures in rank order (as :meth:`execute_checkpoint_engine_per_rank`)."""
+        return _one_per_rank(await self._update(global_steps, allow_manifest_change))
+
+    async def _update(
+        self, global_steps: int | None, allow_manifest_change: bool
+    ) -> list[dict[str, float]]:
         await self._ensure_transfer_engine()
         async with self._serving:
             self.update_complete = False
@@ -143,8 +186,9 @@ class VLLMRolloutWorkerBase:
             await self._rpc("finish_weight_update")
             self.weights_version = global_steps
             self.update_complete = True
-        self.last_update = await self._rpc("weightsync_last_stats")
-        return self.last_update
+        stats = await self._rpc_all("weightsync_last_stats")
+        self.last_update = stats[0]
+        return stats
 
     def last_update_stats(self) -> dict[str, float]:
         """What the last complete update moved and the seconds vLLM spent loading it
@@ -214,3 +258,8 @@ class VLLMRolloutWorkerBase:
 
     async def resume_kv_cache(self) -> None:
         """Nothing (see :meth:`release_kv_cache`)."""
+
+
+def _one_per_rank(results: list[Any]) -> Any:
+    """``results`` as a Ray method with ``num_returns=len(results)`` returns them."""
+    return results[0] if len(results) == 1 else tuple(results)

@@ -32,9 +32,8 @@ class VLLMRolloutWorker(VLLMRolloutWorkerBase):
 
         return LLM(**self.engine_args, **self._weight_transfer_args())
 
-    async def _rpc(self, method: str, /, **kwargs: Any) -> Any:
-        (result,) = await asyncio.to_thread(self._llm.collective_rpc, method, kwargs=kwargs)
-        return result
+    async def _rpc_all(self, method: str, /, **kwargs: Any) -> list[Any]:
+        return await asyncio.to_thread(self._llm.collective_rpc, method, kwargs=kwargs)
 
     async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
                       ) -> list[list[int]]:
