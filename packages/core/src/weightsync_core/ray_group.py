@@ -6,7 +6,24 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RayRolloutReplica", "RayWorkerGroup"]
+__all__ = ["RayRolloutReplica", "RayWorkerGroup", "split_per_rank"]
+
+
+def split_per_rank(method: str, per_rank_kwargs: dict[str, list[Any]], world_size: int
+                   ) -> list[dict[str, Any]]:
+    """The keyword arguments of each of ``world_size`` ranks (``kwargs_i[k] = v[i]``), as a
+    worker group's ``execute_checkpoint_engine`` gets them.
+
+    Raises:
+        ValueError: an argument has another number of values, naming it and ``method``.
+    """
+    for key, values in per_rank_kwargs.items():
+        if len(values) != world_size:
+            raise ValueError(
+                f"argument {key!r} of {method} has {len(values)} values for {world_size} ranks"
+            )
+    return [{key: values[rank] for key, values in per_rank_kwargs.items()}
+            for rank in range(world_size)]
 
 
 class RayWorkerGroup:
@@ -33,16 +50,9 @@ class RayWorkerGroup:
         return len(self.workers)
 
     def execute_checkpoint_engine(self, method: str, **per_rank_kwargs: list[Any]) -> list[Any]:
-        for key, values in per_rank_kwargs.items():
-            if len(values) != self.world_size:
-                raise ValueError(
-                    f"argument {key!r} of {method} has {len(values)} values for "
-                    f"{self.world_size} ranks"
-                )
+        kwargs = split_per_rank(method, per_rank_kwargs, self.world_size)
         return [
-            self.remote_method(worker, "execute_checkpoint_engine").remote(
-                method, **{key: values[rank] for key, values in per_rank_kwargs.items()}
-            )
+            self.remote_method(worker, "execute_checkpoint_engine").remote(method, **kwargs[rank])
             for rank, worker in enumerate(self.workers)
         ]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync_core import RayRolloutReplica
+from weightsync_core.ray_group import split_per_rank
 
 __all__ = ["VLLMReplica", "VLLMWorkerGroup", "VLLMWorkerRank"]
 
@@ -55,16 +56,11 @@ class VLLMWorkerGroup:
         return len(self.workers)
 
     def execute_checkpoint_engine(self, method: str, **per_rank_kwargs: list[Any]) -> list[Any]:
-        for key, values in per_rank_kwargs.items():
-            if len(values) != self.world_size:
-                raise ValueError(f"argument {key!r} of {method} has {len(values)} values for "
-                                 f"{self.world_size} ranks")
+        kwargs = split_per_rank(method, per_rank_kwargs, self.world_size)
         refs: list[Any] = []
         for actor, indices in self._actors:
-            kwargs = [{key: values[i] for key, values in per_rank_kwargs.items()}
-                      for i in indices]
             refs += _refs(actor.execute_checkpoint_engine_per_rank.options(
-                num_returns=len(indices)).remote(method, kwargs))
+                num_returns=len(indices)).remote(method, [kwargs[i] for i in indices]))
         return refs
 
     def update_weights(
