@@ -1,7 +1,7 @@
 """A vLLM replica with ``tensor_parallel_size=2`` on CPU (its two vLLM workers in processes of
 their own): each worker is one rank of the sync and receives a full copy, vLLM's loaders keep
-its shard, and the greedy tokens after each sync equal Hugging Face's on the same weights.
-One vLLM engine serves the module."""
+its shard, and the greedy tokens after each sync equal Hugging Face's on the same weights
+(three syncs in a row over gloo, one over nixl). One vLLM engine serves the module."""
 
 import os
 
@@ -32,16 +32,17 @@ def rollout(model_path):
         yield worker
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nixl"])
+@pytest.mark.parametrize(("backend", "syncs"), [("gloo", 3), ("nixl", 1)])
 def test_each_vllm_worker_of_a_tp2_replica_is_a_rank_and_tokens_equal_hf(
-    backend, rollout, source
+    backend, syncs, rollout, source
 ):
     replica = VLLMReplica(rollout, tensor_parallel_size=2)
-    expected = source.perturb(PROMPTS, NEW_TOKENS)
-    before = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0))
-    assert not torch.equal(before, expected), "the perturbed weights must change the tokens"
+    for _ in range(syncs):
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        before = ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0))
+        assert not torch.equal(before, expected), "the perturbed weights must change the tokens"
 
-    source.sync_into(rollout, backend, replica=replica)
+        source.sync_into(rollout, backend, replica=replica)
 
-    # a worker that missed the sync would serve its shard of the old weights
-    assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+        # a worker that missed the sync would serve its shard of the old weights
+        assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)

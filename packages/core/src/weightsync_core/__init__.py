@@ -74,7 +74,7 @@ from weightsync_core.worker import (
 if TYPE_CHECKING:
     from weightsync_core.local_ray import ensure_ray
     from weightsync_core.manager import CheckpointEngineManager, awaitable_or_blocking, run_sync
-    from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
+    from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup, split_per_rank
 
 _ORCHESTRATION = {
     "CheckpointEngineManager": "weightsync_core.manager",
@@ -83,6 +83,7 @@ _ORCHESTRATION = {
     "run_sync": "weightsync_core.manager",
     "RayRolloutReplica": "weightsync_core.ray_group",
     "RayWorkerGroup": "weightsync_core.ray_group",
+    "split_per_rank": "weightsync_core.ray_group",
 }
 """Layer-2 names exported here, imported (with Ray) on first use."""
 
@@ -165,4 +166,5 @@ __all__ = [
     "load_custom_backend_module",
     "new_session_key",
     "run_sync",
+    "split_per_rank",
 ]

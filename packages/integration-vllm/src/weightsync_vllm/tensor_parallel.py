@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync_core import RayRolloutReplica
-from weightsync_core.ray_group import split_per_rank
+from weightsync_core import RayRolloutReplica, split_per_rank
 
 __all__ = ["VLLMReplica", "VLLMWorkerGroup", "VLLMWorkerRank"]
 
