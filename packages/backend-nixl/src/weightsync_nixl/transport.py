@@ -95,10 +95,9 @@ def _native_agent(name: str, progress_delay_us: int) -> Any:
     waits up to ``progress_delay_us`` for events between passes.
 
     ``nixl_agent`` always asks for a delay of 0, a progress thread that spins on one CPU
-    core for the agent's whole life (measured: 1.00 core while idle; 0.02 with a delay, at
-    the same 3.3 GB/s for 256 MiB writes over TCP). The wrapper has no parameter for it, so
-    its native agent, created with no backend yet, is replaced by this one before any
-    backend starts.
+    core for the agent's whole life (see the package README). The wrapper has no parameter
+    for it, so its native agent, created with no backend yet, is replaced by this one before
+    any backend starts.
     """
     if progress_delay_us < 0:
         raise ValueError(f"progress_delay_us must be >= 0, got {progress_delay_us}")
