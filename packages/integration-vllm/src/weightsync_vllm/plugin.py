@@ -1,5 +1,7 @@
 """The vLLM plugin (entry point group ``vllm.general_plugins``): registers weightsync's
-weight-transfer engine in every vLLM process that loads plugins."""
+weight-transfer engine in every vLLM process that loads plugins, and makes vLLM's
+multiprocess executor read every worker's reply to a failed call of a weightsync engine
+(:mod:`weightsync_vllm.executor_replies`)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ BACKEND_NAME = "weightsync"
 
 def register() -> None:
     """Register :class:`~weightsync_vllm.transfer_engine.WeightsyncTransferEngine` under
-    :data:`BACKEND_NAME` (lazily: the module is imported when vLLM builds the engine)."""
+    :data:`BACKEND_NAME` (lazily: the module is imported when vLLM builds the engine), and
+    :func:`weightsync_vllm.executor_replies.install`."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from weightsync_vllm import executor_replies
+
+    executor_replies.install()
 
     # vLLM loads plugins once per process; a second engine in one process finds it there
     with contextlib.suppress(ValueError):
