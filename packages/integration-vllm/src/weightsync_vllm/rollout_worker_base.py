@@ -137,8 +137,21 @@ class VLLMRolloutWorkerBase:
             self._transfer_ready = False
             await self._ensure_transfer_engine()
 
+    def _check_single_rank(self, call: str) -> None:
+        """Refuse a one-rank call (a plain ``RayRolloutReplica``'s) when this engine's vLLM
+        workers are several ranks: each would act as the same rank of the sync."""
+        if self.tensor_parallel_size > 1:
+            raise WeightSyncError(
+                f"{call} drives one rank, but this vLLM engine runs "
+                f"{self.tensor_parallel_size} workers, each a rank of its own: put the actor "
+                f"in a VLLMReplica(actor, tensor_parallel_size={self.tensor_parallel_size}) "
+                "instead of a RayRolloutReplica"
+            )
+
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
-        """Run one weightsync engine method in vLLM's worker."""
+        """Run one weightsync engine method in vLLM's worker (an engine of one vLLM worker;
+        see :meth:`execute_checkpoint_engine_per_rank`)."""
+        self._check_single_rank(f"execute_checkpoint_engine({method!r})")
         await self._ensure_transfer_engine()
         return await self._rpc("weightsync_call", method=method, kwargs=kwargs)
 
@@ -163,7 +176,9 @@ class VLLMRolloutWorkerBase:
         self, global_steps: int | None = None, allow_manifest_change: bool = False
     ) -> dict[str, float]:
         """Receive one version of the weights into vLLM's model through vLLM's
-        weight-transfer calls, with weightsync as the engine (rank 0's figures)."""
+        weight-transfer calls, with weightsync as the engine (an engine of one vLLM worker;
+        see :meth:`update_weights_per_rank`)."""
+        self._check_single_rank("update_weights")
         return (await self._update(global_steps, allow_manifest_change))[0]
 
     async def update_weights_per_rank(
