@@ -83,7 +83,9 @@ def replica(request, tmp_path_factory):
 
 def test_three_syncs_in_a_row_generate_what_hf_generates(replica):
     for _ in range(3):
+        before = replica.generate()
         expected = replica.perturb()
+        assert not torch.equal(before, expected), "the perturbed weights must change the tokens"
         replica.sync()
         assert torch.equal(replica.generate(), expected)
 

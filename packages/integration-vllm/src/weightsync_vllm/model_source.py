@@ -13,6 +13,8 @@ from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
 
 __all__ = ["ModelWeightsSource", "perturb_", "save_qwen2"]
 
+_TIED_EMBEDDING_SCALE = 0.1
+
 
 def save_qwen2(
     directory: str, *, hidden_size: int = 64, num_hidden_layers: int = 2,
@@ -22,8 +24,10 @@ def save_qwen2(
     """Save a randomly initialised Qwen2 causal LM (float32 safetensors and its config; no
     download) into ``directory``, which vLLM and Hugging Face can then load; one key-value
     head; with ``tie_word_embeddings`` its LM head is its input embedding (the checkpoint
-    then holds no ``lm_head.weight``). vLLM's CPU attention needs a head size
-    (``hidden_size // num_attention_heads``) of 32 or more."""
+    then holds no ``lm_head.weight``), initialised at a tenth of the usual scale: at the
+    usual scale a small tied model's next token is the input token itself, whatever its
+    layers hold, so new weights would not change its tokens. vLLM's CPU attention needs a
+    head size (``hidden_size // num_attention_heads``) of 32 or more."""
     import transformers
 
     config = transformers.Qwen2Config(
@@ -34,7 +38,11 @@ def save_qwen2(
         tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    model = transformers.Qwen2ForCausalLM(config)
+    if tie_word_embeddings:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(_TIED_EMBEDDING_SCALE)
+    model.save_pretrained(directory)
     return directory
 
 
