@@ -44,11 +44,9 @@ class _CountedReplies:
         return getattr(self.queue, name)
 
 
-def _uses_weightsync(executor: Any) -> bool:
-    from weightsync_vllm.plugin import BACKEND_NAME
-
+def _transfers_with(executor: Any, backend: str) -> bool:
     config = getattr(executor.vllm_config, "weight_transfer_config", None)
-    return config is not None and config.backend == BACKEND_NAME
+    return config is not None and config.backend == backend
 
 
 def _read_the_rest(queues: list[_CountedReplies], deadline: float | None, method: Any) -> None:
@@ -67,9 +65,10 @@ def _read_the_rest(queues: list[_CountedReplies], deadline: float | None, method
                     method)
 
 
-def install() -> None:
-    """Make vLLM's multiprocess executor read every worker's reply to a failed call of a
-    weightsync engine (once per process; nothing where that executor does not exist)."""
+def install(backend: str) -> None:
+    """Make vLLM's multiprocess executor read every worker's reply to a failed call of an
+    engine whose weight-transfer backend is ``backend`` (weightsync's; once per process;
+    nothing where that executor does not exist)."""
     try:
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
     except ImportError:
@@ -84,7 +83,7 @@ def install() -> None:
                        non_block: bool = False, unique_reply_rank: int | None = None,
                        **aggregators: Any) -> Any:
         if non_block or unique_reply_rank is not None or aggregators \
-                or not _uses_weightsync(self):
+                or not _transfers_with(self, backend):
             return original(self, method, timeout, args, kwargs, non_block,
                             unique_reply_rank, **aggregators)
         replies = self.response_mqs

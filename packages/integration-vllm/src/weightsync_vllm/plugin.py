@@ -19,9 +19,9 @@ def register() -> None:
     :func:`weightsync_vllm.executor_replies.install`."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from weightsync_vllm import executor_replies
+    from weightsync_vllm.executor_replies import install
 
-    executor_replies.install()
+    install(BACKEND_NAME)
 
     # vLLM loads plugins once per process; a second engine in one process finds it there
     with contextlib.suppress(ValueError):
