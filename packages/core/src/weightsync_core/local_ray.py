@@ -13,27 +13,41 @@ from weightsync_core.process_group import HOST_ENV
 __all__ = ["ensure_ray"]
 
 _UV_HOOK_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
+_ADDRESS_ENV = "RAY_ADDRESS"
+"""The running cluster to connect to (Ray's own variable)."""
 
 
-def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None) -> None:
-    """Start a private, local Ray instance on loopback (once per process; no-op if Ray is
-    up). It never joins another Ray cluster running on the machine (a ``ray start --head``,
+def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None,
+               address: str | None = None) -> None:
+    """Start Ray for this process, or connect to the cluster the user asks for (once per
+    process; no-op if Ray is up).
+
+    With ``address`` (default: the ``RAY_ADDRESS`` environment variable, as Ray reads it), it
+    connects to that running cluster (``num_cpus`` is the cluster's own then), and workers
+    listen on their node's address. Otherwise it starts a private, local instance on loopback
+    whose workers get ``WEIGHTSYNC_HOST=127.0.0.1``, so every transfer stays on this machine;
+    it never joins another Ray cluster running on the machine (a ``ray start --head``,
     another test run's), which would also refuse ``num_cpus``.
 
-    Workers get ``WEIGHTSYNC_HOST=127.0.0.1`` so every transfer stays on this machine, plus
-    ``env_vars``. Ray's uv run-time hook is disabled so workers start from the current venv.
+    Workers get ``env_vars`` too. Ray's uv run-time hook is disabled so workers start from the
+    current venv.
     """
     if ray.is_initialized():
         return
     if os.environ.setdefault(_UV_HOOK_ENV, "0") == "0":
         # Ray reads this at import time; the suite may be imported after ray already was.
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
-    worker_env = {HOST_ENV: "127.0.0.1", _UV_HOOK_ENV: "0", **(env_vars or {})}
+    address = address or os.environ.get(_ADDRESS_ENV) or "local"
+    worker_env = {_UV_HOOK_ENV: "0", **(env_vars or {})}
+    if address != "local":
+        ray.init(address=address, runtime_env={"env_vars": worker_env},
+                 logging_level=logging.WARNING)
+        return
     ray.init(
         address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": worker_env},
+        runtime_env={"env_vars": {HOST_ENV: "127.0.0.1", **worker_env}},
         logging_level=logging.WARNING,
     )
