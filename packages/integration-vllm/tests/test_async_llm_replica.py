@@ -5,7 +5,8 @@ cover (the sender failing at each tensor, a wrong shape or an unknown name at a 
 later sync, a first sync missing a tensor, a killed sender), each followed by vLLM's own
 ``resume_generation`` and a request straight to vLLM: the engine keeps running (it serves the
 mix of versions the failed sync left, which weightsync's worker refuses to serve), and the
-next sync brings exactly the sender's weights. One AsyncLLM serves the whole module."""
+next sync brings exactly the sender's weights. For a model with untied and one with tied
+embeddings (the tied one's LM head is never sent); one AsyncLLM per model."""
 
 import pytest
 import ray
@@ -15,9 +16,18 @@ from vllm_test_actors import ProbedAsyncWorker
 
 from weightsync_core import SyncStageError
 from weightsync_core.testing.weights import Faults
+from weightsync_vllm.model_source import save_qwen2
 
 PROMPTS = torch.randint(0, 8192, (3, 6), generator=torch.Generator().manual_seed(3))
 NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model_path(request, tmp_path_factory) -> str:
+    """The 2-layer Qwen2 of the other modules, untied and tied (the module's sender and
+    rollout follow it)."""
+    return save_qwen2(str(tmp_path_factory.mktemp(request.param)), hidden_size=64,
+                      vocab_size=8192, tie_word_embeddings=request.param == "tied")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +43,9 @@ def _generate(rollout) -> torch.Tensor:
 @pytest.mark.parametrize("backend", ["gloo", "nixl", "mooncake", "kimi"])
 def test_three_syncs_in_a_row_give_hf_tokens(backend, rollout, source):
     for _ in range(3):
+        before = _generate(rollout)
         expected = source.perturb(PROMPTS, NEW_TOKENS)
+        assert not torch.equal(before, expected), "the perturbed weights must change the tokens"
         source.sync_into(rollout, backend)
         assert torch.equal(_generate(rollout), expected)
         assert not ray.get(rollout.engine_paused.remote())

@@ -4,8 +4,9 @@ its shard, and the greedy tokens after each sync equal Hugging Face's on the sam
 (three syncs in a row over gloo, one over nixl). A sync that fails on both workers leaves a
 replica that refuses to serve, and the next sync recovers it (vLLM's executor would otherwise
 answer later calls with the failed call's replies). The actor put in a plain
-``RayRolloutReplica`` is refused before any byte moves, naming ``VLLMReplica``. One vLLM engine
-serves the module."""
+``RayRolloutReplica`` is refused before any byte moves, naming ``VLLMReplica``. For vLLM's
+``LLM`` in the actor's process and for ``AsyncLLM`` (its engine core in a process of its own);
+one vLLM engine for each."""
 
 import pytest
 import ray
@@ -14,15 +15,16 @@ from vllm_sync_support import cpu_threads_bind, running_rollout
 
 from weightsync_core import SyncStageError
 from weightsync_core.testing.weights import Faults
-from weightsync_vllm import VLLMReplica, VLLMRolloutWorker
+from weightsync_vllm import AsyncVLLMRolloutWorker, VLLMReplica, VLLMRolloutWorker
 
 PROMPTS = torch.randint(0, 8192, (2, 5), generator=torch.Generator().manual_seed(4))
 NEW_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def rollout(model_path):
-    with running_rollout(VLLMRolloutWorker, model_path, {"tensor_parallel_size": 2},
+@pytest.fixture(scope="module", params=[VLLMRolloutWorker, AsyncVLLMRolloutWorker],
+                ids=["LLM", "AsyncLLM"])
+def rollout(request, model_path):
+    with running_rollout(request.param, model_path, {"tensor_parallel_size": 2},
                          {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(2)}) as worker:
         yield worker
 
