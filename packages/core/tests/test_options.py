@@ -40,6 +40,8 @@ class _Options(EngineOptions):
     ({"name": 3}, "'name' must be a string or None"),
     ({"cuont": 2}, "has no option 'cuont' (given 2). Did you mean 'count'?"),
     ({"count": 0}, "option 'count' must be >= 1, got 0"),
+    ({"seconds": float("inf")}, "option 'seconds' must be a finite number, got inf"),
+    ({"seconds": float("nan")}, "option 'seconds' must be a finite number, got nan"),
 ])
 def test_refused_values_name_the_option_and_what_is_accepted(given, message):
     with pytest.raises(EngineOptionsError, match="backend 'demo'") as raised:
@@ -60,6 +62,9 @@ def test_accepted_values_build_the_options():
     ({"group_init_timeout": "5"}, "option 'group_init_timeout' must be a number, got '5'"),
     ({"sendrs": 2}, "Did you mean 'senders'?"),
     ({"senders": 0}, "option 'senders' must be a positive integer"),
+    ({"group_init_timeout": float("inf")}, "option 'group_init_timeout' must be a finite number"),
+    ({"direct_send_megabytes": float("nan")},
+     "option 'direct_send_megabytes' must be a finite number, got nan"),
     ({"timeout": 5}, "set CheckpointEngineConfig.sync_timeout_seconds"),
 ])
 def test_bad_engine_kwargs_fail_when_the_config_is_built(kwargs, message):

@@ -10,7 +10,9 @@ is accepted. Each engine then reads its options from ``self.options``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,7 +50,13 @@ class EngineOptions:
     is_master: bool = False
 
     def __post_init__(self) -> None:
-        """Check ranges and combinations (types are checked before: :func:`parse_options`)."""
+        """Check ranges and combinations (types are checked before: :func:`parse_options`):
+        here, that every number is finite (an infinite timeout would wait forever, a NaN
+        size compares false with everything)."""
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"option {option.name!r} must be a finite number, got {value!r}")
 
 
 def parse_options(options_class: type[OptionsT], backend: str, given: Mapping[str, Any]
