@@ -3,6 +3,7 @@
 import pytest
 
 from weightsync_core import (
+    CheckpointEngineConfig,
     CheckpointEngineManager,
     CheckpointEngineRegistry,
     PluginError,
@@ -58,6 +59,16 @@ def test_operator_allowlist_refuses_other_prefixes(monkeypatch, external_plugins
         load_checkpoint_manager_class("acme_managers.CountingManager")
     with pytest.raises(PluginError, match="not allowed"):
         load_custom_backend_module("my_company_evil")  # a prefix must match a whole name
+
+
+def test_a_module_the_allowlist_refuses_fails_when_the_config_is_built(monkeypatch):
+    """Before any worker starts (and whether or not the module imports on the driver)."""
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company")
+    for module in ("acme_weightsync", ["my_company.backend", "acme_does_not_exist"]):
+        with pytest.raises(PluginError, match="is not allowed"):
+            CheckpointEngineConfig(backend="acme_gloo", custom_backend_module=module)
+    with pytest.raises(PluginError, match="looks like a file path"):
+        CheckpointEngineConfig(backend="acme_gloo", custom_backend_module="/tmp/evil.py")
 
 
 def test_operator_allowlist_admits_listed_prefixes(monkeypatch, external_plugins_on_path):

@@ -76,14 +76,20 @@ class CheckpointEngineConfig:
         """Check the active backend's ``engine_kwargs`` against its typed options, here on
         the driver, before any process starts (this imports ``custom_backend_module`` and
         the backend). A backend or custom module that cannot be loaded in this process is
-        left to the manager, which says what is missing.
+        left to the manager, which says what is missing; a module name that is no dotted
+        name, or that the operator's ``WEIGHTSYNC_TRUSTED_MODULES`` does not allow, is not.
 
         Raises:
             EngineOptionsError: an unknown option, or a value of the wrong type or range.
+            PluginError: a ``custom_backend_module`` name refused (see
+                :func:`~weightsync_core.plugins.validate_module_name`).
         """
-        from weightsync_core.plugins import load_custom_backend_module
+        from weightsync_core.plugins import load_custom_backend_module, validate_module_name
         from weightsync_core.registry import CheckpointEngineRegistry
 
+        modules = self.custom_backend_module
+        for name in [modules] if isinstance(modules, str) else list(modules or []):
+            validate_module_name(name)  # a path, or a module the operator's allowlist refuses
         try:
             load_custom_backend_module(self.custom_backend_module)
             engine_cls = CheckpointEngineRegistry.get(self.backend)
