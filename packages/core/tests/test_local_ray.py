@@ -20,6 +20,8 @@ WHICH_CLUSTER = ("import ray; from weightsync_core import ensure_ray; ensure_ray
                  "print(ray.get_runtime_context().gcs_address)")
 """Prints the GCS address of the cluster ``ensure_ray`` reached (the head reports its node's
 address, whichever address it was reached by: compare ports)."""
+BENCH = [str(BIN / "weightsync"), "bench", "gloo", "--size-mb", "4", "--tensors", "4",
+         "--repeats", "1", "--receivers", "1"]
 
 
 def _port(address: str) -> str:
@@ -73,8 +75,7 @@ def test_without_ray_address_a_command_starts_its_own_ray_beside_the_users(user_
     assert which.returncode == 0, which.stderr[-2000:]
     assert _port(which.stdout.split()[-1]) != _port(user_cluster)
 
-    bench = _run([str(BIN / "weightsync"), "bench", "gloo", "--size-mb", "4", "--tensors", "4",
-                  "--repeats", "1", "--receivers", "1"], None)
+    bench = _run(BENCH, None)
     assert bench.returncode == 0, bench.stderr[-2000:]
 
 
@@ -83,6 +84,5 @@ def test_with_ray_address_a_command_connects_to_the_users_cluster(user_cluster):
     assert which.returncode == 0, which.stderr[-2000:]
     assert _port(which.stdout.split()[-1]) == _port(user_cluster)
 
-    bench = _run([str(BIN / "weightsync"), "bench", "gloo", "--size-mb", "4", "--tensors", "4",
-                  "--repeats", "1", "--receivers", "1"], user_cluster)
+    bench = _run(BENCH, user_cluster)
     assert bench.returncode == 0, bench.stderr[-2000:]

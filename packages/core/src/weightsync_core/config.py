@@ -82,14 +82,12 @@ class CheckpointEngineConfig:
         Raises:
             EngineOptionsError: an unknown option, or a value of the wrong type or range.
             PluginError: a ``custom_backend_module`` name refused (see
-                :func:`~weightsync_core.plugins.validate_module_name`).
+                :func:`~weightsync_core.plugins.custom_module_names`).
         """
-        from weightsync_core.plugins import load_custom_backend_module, validate_module_name
+        from weightsync_core.plugins import custom_module_names, load_custom_backend_module
         from weightsync_core.registry import CheckpointEngineRegistry
 
-        modules = self.custom_backend_module
-        for name in [modules] if isinstance(modules, str) else list(modules or []):
-            validate_module_name(name)  # a path, or a module the operator's allowlist refuses
+        custom_module_names(self.custom_backend_module)  # a path, or a module not allowed
         try:
             load_custom_backend_module(self.custom_backend_module)
             engine_cls = CheckpointEngineRegistry.get(self.backend)

@@ -21,6 +21,7 @@ from weightsync_core.registry import CheckpointEngineRegistry
 
 __all__ = [
     "TRUSTED_MODULES_ENV",
+    "custom_module_names",
     "load_class",
     "load_custom_backend_module",
     "validate_module_name",
@@ -85,13 +86,23 @@ def load_custom_backend_module(module: str | Sequence[str] | None) -> list[str]:
         PluginError: a name is refused (see :func:`validate_module_name`), the import fails,
             or the module registered no backend.
     """
+    registered: list[str] = []
+    for name in custom_module_names(module):
+        registered.extend(_import_backend_module(name))
+    return registered
+
+
+def custom_module_names(module: str | Sequence[str] | None) -> list[str]:
+    """The module names a ``custom_backend_module`` setting gives, each checked (without
+    importing anything).
+
+    Raises:
+        PluginError: a name is refused (see :func:`validate_module_name`).
+    """
     if module is None:
         return []
     modules = [module] if isinstance(module, str) else list(module)
-    registered: list[str] = []
-    for name in modules:
-        registered.extend(_import_backend_module(validate_module_name(name)))
-    return registered
+    return [validate_module_name(name) for name in modules]
 
 
 def load_class(
