@@ -1,9 +1,9 @@
 """The core conformance suite for ``nixl`` on host memory between real Ray actor processes."""
 
-from weightsync_core.testing import CheckpointEngineConformanceTests
+from weightsync_core.testing import CheckpointEngineConformanceTests, ControlFrameReplayTests
 
 
-class TestNixlConformance(CheckpointEngineConformanceTests):
+class TestNixlConformance(CheckpointEngineConformanceTests, ControlFrameReplayTests):
     """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP."""
 
     backend = "nixl"

@@ -32,6 +32,7 @@ __all__ = [
     "WeightsSource",
     "as_bytes",
     "cast_for_rollout",
+    "copy_bytes",
     "iter_named_tensors",
     "iter_named_tensors_sync",
     "storage_refs",
@@ -322,6 +323,12 @@ class BucketPacker:
         self.num_buckets += 1
         self.nbytes += sum(piece.nbytes for piece in metas)
         return PackedBucket(buffer, meta, direct)
+
+
+async def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy ``source`` into ``target`` (``uint8``, same size), on a worker thread when it is
+    large enough that the event loop should keep running meanwhile."""
+    await _offloaded(source.numel(), target.copy_, source)
 
 
 async def _offloaded(nbytes: int, function: Callable[..., T], *args: object) -> T:

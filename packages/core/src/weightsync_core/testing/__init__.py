@@ -10,19 +10,24 @@ use :mod:`weightsync_core.deployment` and :mod:`weightsync_core.bench`).
 from typing import TYPE_CHECKING, Any
 
 from weightsync_core.testing.harness import Placement, SyncHarness, ensure_ray
+from weightsync_core.testing.ray_cluster import user_ray_cluster
 from weightsync_core.testing.weights import Faults, digest, digests, make_weights
 
-_SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests")
+_SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
+          "ControlFrameReplayTests")
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
     from weightsync_core.testing.suite import (
         CheckpointEngineConformanceTests,
         ColocatedEngineConformanceTests,
+        ControlFrameReplayTests,
     )
 
 __all__ = [
-    "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests", "Faults",
+    "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
+    "ControlFrameReplayTests", "Faults",
     "Placement", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights",
+    "user_ray_cluster",
 ]
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 import torch
 
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.testing.replay import tap_control_frames
 from weightsync_core.testing.resources import process_resources
 from weightsync_core.testing.weights import (
     Faults,
@@ -27,7 +28,38 @@ from weightsync_core.testing.weights import (
 )
 from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
-__all__ = ["RecordingRolloutWorker", "RecordingServerAdapter", "WeightSourceActor"]
+__all__ = [
+    "RecordingRolloutWorker",
+    "RecordingServerAdapter",
+    "WeightSourceActor",
+    "lie_in_prepare",
+]
+
+_TRUTH: Any = object()
+"""``lie_in_prepare``'s ``instead`` when the engine's own metadata is kept."""
+
+
+def lie_in_prepare(
+    engine: Any, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
+    instead: Any = _TRUTH,
+) -> None:
+    """Make ``engine.prepare()`` return wrong metadata from now on (a process that lies to
+    the topology): its own without the keys in ``drop`` and with ``update`` merged in, or
+    ``instead`` (anything: a string, None, another dict) in its place. With none of them,
+    the engine's own ``prepare`` is restored. The engine's ``prepare`` still runs (what it
+    reserves is reserved); only what it returns changes."""
+    vars(engine).pop("prepare", None)
+    if not drop and not update and instead is _TRUTH:
+        return
+    true_prepare = engine.prepare
+
+    def prepare() -> Any:
+        metadata = true_prepare()
+        if instead is not _TRUTH:
+            return instead
+        return {**{k: v for k, v in metadata.items() if k not in drop}, **(update or {})}
+
+    engine.prepare = prepare
 
 
 class RecordingServerAdapter:
@@ -118,6 +150,14 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         if not keep:
             adapter.kept.clear()
 
+    def lie_in_prepare(
+        self, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
+        instead: Any = _TRUTH,
+    ) -> None:
+        """Make this process's engine return wrong metadata from ``prepare()`` (see
+        :func:`lie_in_prepare`); with no argument, its own again."""
+        lie_in_prepare(self.checkpoint_engine, drop, update, instead)
+
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""
         adapter = self._recorder()
@@ -134,6 +174,11 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
     def resources(self) -> dict[str, object]:
         """What this process holds (see :func:`process_resources`)."""
         return process_resources()
+
+    def tap_control_frames(self, path: str | None) -> None:
+        """Record every control frame this process sends (see
+        :func:`~weightsync_core.testing.replay.tap_control_frames`)."""
+        tap_control_frames(path)
 
     def _recorder(self) -> RecordingServerAdapter:
         return self.server_adapter_of(RecordingServerAdapter)
@@ -191,6 +236,19 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
     def resources(self) -> dict[str, object]:
         """What this process holds (see :func:`process_resources`)."""
         return process_resources()
+
+    def tap_control_frames(self, path: str | None) -> None:
+        """Record every control frame this process sends (see
+        :func:`~weightsync_core.testing.replay.tap_control_frames`)."""
+        tap_control_frames(path)
+
+    def lie_in_prepare(
+        self, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
+        instead: Any = _TRUTH,
+    ) -> None:
+        """Make this process's engine return wrong metadata from ``prepare()`` (see
+        :func:`lie_in_prepare`); with no argument, its own again."""
+        lie_in_prepare(self.checkpoint_engine, drop, update, instead)
 
     def report(self) -> dict[str, Any]:
         """What the colocated server received (colocated engines only)."""

@@ -54,7 +54,11 @@ if TYPE_CHECKING:
     from weightsync_core.manager import CheckpointEngineManager
     from weightsync_core.ray_group import RayRolloutReplica
 
-__all__ = ["CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests"]
+__all__ = [
+    "CheckpointEngineConformanceTests",
+    "ColocatedEngineConformanceTests",
+    "ControlFrameReplayTests",
+]
 
 _StageError = TypeVar("_StageError", bound=SyncStageError)
 
@@ -636,6 +640,82 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                  for ref in [worker.execute_checkpoint_engine.remote("close")]])
         left = {pid: ports for pid, ports in harness.engine_ports().items() if ports}
         assert not left, f"listening after close: {left}"
+
+
+class ControlFrameReplayTests(_ConformanceBase):
+    """Cases for backends whose processes talk over weightsync's control channel (the ring
+    backends, kimi): add it to the conformance class's bases."""
+
+    replay_syncs: ClassVar[int] = 50
+    """Syncs run while the outsider replays what it captured."""
+    replayed_kinds: ClassVar[tuple[str, ...]] = ("credit", "bucket")
+    """The messages the targeted outsider replays (the tags of the backend's messages)."""
+    replay_rate: ClassVar[float] = 0.05
+    """The share of those messages it replays (each once, at a random moment): a few per
+    sync, so that an early replay seldom gives the sync away before a late one can do
+    harm."""
+
+    def test_replayed_credits_and_announcements_never_pass_as_success(
+        self, harness: SyncHarness, tmp_path
+    ) -> None:
+        """An outsider without the key, who captured the sync's credits and bucket
+        announcements, replays each one several times at random moments of the same sync, to
+        where it went: every sync must either fail or deliver every tensor bit-exact."""
+        self._sync_under_replays(harness, tmp_path, self.replay_rate,
+                                 list(self.replayed_kinds))
+
+    def test_every_replayed_control_frame_never_passes_as_success(
+        self, harness: SyncHarness, tmp_path
+    ) -> None:
+        """The same, for every control frame of the sync (hellos and finals too), replayed
+        to where it went and to other members."""
+        self._sync_under_replays(harness, tmp_path, 3.0, [], syncs=10)
+
+    def _sync_under_replays(self, harness: SyncHarness, tmp_path, rate: float,
+                            kinds: list[str], syncs: int | None = None) -> None:
+        members = harness.workers()
+        ray.get([member.tap_control_frames.remote(str(tmp_path / f"{index}.tap"))
+                 for index, member in enumerate(members)])
+        workers = [worker for replica in harness.replicas for worker in replica.workers]
+        # servers that read each bucket's tensors for a while: a slot stays in use long
+        ray.get([worker.set_faults.remote(delay_per_tensor=0.002) for worker in workers])
+        outsider = subprocess.Popen(
+            [sys.executable, "-m", "weightsync_core.testing.replay", str(tmp_path), "600",
+             "7", str(rate), *kinds], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        syncs = self.replay_syncs if syncs is None else syncs
+        manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+        silent: list[str] = []
+        failures: list[str] = []
+        try:
+            if outsider.stdout is None:  # stdout=PIPE makes it a pipe: None is a bug
+                raise RuntimeError("the outsider's stdout is not a pipe")
+            assert outsider.stdout.readline().strip() == "ready"
+            for attempt in range(syncs):
+                expected = harness.set_weights(seed=300 + attempt, profile="buckets")
+                try:
+                    manager.update_weights_sync(global_steps=300 + attempt,
+                                                allow_manifest_change=True)
+                except SyncStageError as exc:
+                    failures.append(f"sync {attempt}: {exc}"[:300])
+                    continue
+                try:
+                    self.assert_delivered(harness, expected)
+                except AssertionError as exc:
+                    silent.append(f"sync {attempt}: {exc}")
+        finally:
+            outsider.send_signal(signal.SIGTERM)
+            output, _ = outsider.communicate(timeout=60)
+            ray.get([member.tap_control_frames.remote(None) for member in members])
+            ray.get([worker.set_faults.remote() for worker in workers])
+        report = json.loads(output.strip().splitlines()[-1])
+        print(f"\n[{self.backend}] replays of {kinds or 'every frame'}: {report['captured']} "
+              f"frames captured, {report['sent']} replayed over {syncs} syncs; "
+              f"{len(failures)} failed, {len(silent)} succeeded with wrong weights")
+        assert report["captured"] and report["sent"], report
+        print("\n".join(failures[:3]))
+        assert not silent, f"syncs reported success with wrong weights: {silent[:3]}"
+        self._restore_standard_layout(harness, manager)
 
 
 class ColocatedEngineConformanceTests(_ConformanceBase):

@@ -32,6 +32,8 @@ def make_weights(
             int8/16/32/64, uint8, bool), 0-dim, empty and non-contiguous tensors, one tensor
             just over 5x the bucket size and 200 tiny tensors.
         ``tiny``: 3000 tensors of a few elements each.
+        ``buckets``: 4 buckets' worth of float32 tensors, 32 to a bucket (every bucket
+            holds whole tensors a server reads straight out of it).
         ``large``: ``standard`` plus a tensor of about 1 GiB split over many buckets (not
             used by default: it is for manual runs).
     """
@@ -45,6 +47,8 @@ def make_weights(
 
     if profile == "tiny":
         return {f"tiny.{index}": randn(3 + index % 5) for index in range(3000)}
+    if profile == "buckets":  # a little under 1/32 of a bucket each, alignment included
+        return {f"layer.{index}": randn(bucket_size // 32 // 4 - 64) for index in range(128)}
     weights: dict[str, torch.Tensor] = {
         "model.embed.weight": randn(97, 33),
         "model.bf16": randn(64, 7).to(torch.bfloat16),
@@ -71,7 +75,8 @@ def make_weights(
     if profile == "large":
         weights["model.huge"] = randn(256 << 20)
     elif profile != "standard":
-        raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny or large")
+        raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets "
+                         "or large")
     return weights
 
 

@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.bucketing import BucketPacker, WeightsSource, iter_named_tensors
+from weightsync_core.bucketing import (
+    BucketPacker,
+    ReceiveBuffers,
+    WeightsSource,
+    iter_named_tensors,
+)
 from weightsync_core.channel import ControlChannel, PeerEndpoints
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.engines.options import RingOptions
@@ -69,6 +74,7 @@ class RingCheckpointEngine(CheckpointEngine):
             lambda: allocate_bucket(self.bucket_size, self.device), lambda: self.transport
         )
         """This process's registered bucket buffers (the sender's two, a worker's slots)."""
+        self._copies = self._new_copies()
         self._peers: dict[str, Hashable] = {}
         self._session: RingSession | None = None
 
@@ -164,12 +170,13 @@ class RingCheckpointEngine(CheckpointEngine):
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yield received tensors as views of their slot where possible (chunked tensors are
-        merged into memory of their own). A slot is written again only after the consumer
-        moved past its tensors; if the consumer still holds a view then, the slot gets a new
-        buffer instead, so kept tensors are never overwritten."""
+        """Yield received tensors as views of a copy of their bucket, made out of the
+        registered slot before the bucket is checked (chunked tensors are merged into
+        memory of their own): what the consumer reads is what was verified, and nothing a
+        peer writes into registered memory later reaches it. A copy the consumer still
+        views is never reused, so kept tensors are never overwritten."""
         session = self._open_session(self._require_placement(sender=False))
-        receiver = RingReceiver(session, self.bucket_checksum, self.verify)
+        receiver = RingReceiver(session, self.bucket_checksum, self.verify, self._copies)
         try:
             await receiver.greet()
             while not isinstance(message := await receiver.next_message(), Final):
@@ -185,14 +192,17 @@ class RingCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """End this sync. The transport, channel and (with ``keep_buffers``) the registered
-        buffers stay for the next sync; peers that left the ring are disconnected (every
-        peer, with ``rebuild_group``)."""
+        buffers stay for the next sync, scrubbed (they hold no weights between syncs);
+        peers that left the ring are disconnected (every peer, with ``rebuild_group``)."""
         placement, self._placement = self._placement, None
         neighbours = set() if placement is None or self.rebuild_group else {placement.downstream}
         for endpoint in [e for e in self._peers if e not in neighbours]:
             self._disconnect(endpoint)
         if not self.keep_buffers or self.rebuild_group:
             self.local_slots.release()
+            self._copies = self._new_copies()
+        else:
+            self.local_slots.scrub()
 
     def abort(self) -> None:
         """After a failed sync anywhere: disconnect every peer, close sockets to neighbours
@@ -202,6 +212,7 @@ class RingCheckpointEngine(CheckpointEngine):
             self._disconnect(endpoint)
         self._endpoints.close_outboxes()
         self.local_slots.release()
+        self._copies = self._new_copies()
 
     def close(self) -> None:
         """Release everything, the transport and the channel included (the engine can be
@@ -226,6 +237,10 @@ class RingCheckpointEngine(CheckpointEngine):
             await previous
 
     # -- internals -----------------------------------------------------------------------
+    def _new_copies(self) -> ReceiveBuffers:
+        """The buffers a rollout worker copies buckets into (allocated on first use)."""
+        return ReceiveBuffers(lambda: allocate_bucket(self.bucket_size, self.device))
+
     def _open_session(self, placement: Placement) -> RingSession:
         """This sync's session; one an earlier sync left running is superseded first."""
         if self._session is not None:

@@ -25,13 +25,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 
 class Credit(msgspec.Struct, tag="credit", frozen=True):
-    """Downstream to upstream: ``slot`` is free again; with ``buffer``, the slot now lies
-    there, described by the transport metadata ``peer``."""
+    """Downstream to upstream: ``slot`` is free again."""
 
     sync: str
     slot: int
-    buffer: RemoteBuffer | None = None
-    peer: Any = None
 
 
 class BucketReady(msgspec.Struct, tag="bucket", frozen=True):

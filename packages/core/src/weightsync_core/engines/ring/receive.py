@@ -1,6 +1,6 @@
 """A rollout worker's side of one ring sync, in named steps: greet the upstream, take each
-announced bucket (check, forward, verify), hand its tensors to the consumer, and credit
-each slot back once the consumer has moved past it."""
+announced bucket (check, forward, copy out of registered memory, verify the copy), hand its
+tensors to the consumer, and credit each slot back once it is forwarded and copied."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import BucketMeta, BucketUnpacker
+from weightsync_core.bucketing import BucketMeta, BucketUnpacker, ReceiveBuffers, copy_bytes
 from weightsync_core.devices import synchronize_device
 from weightsync_core.engines.ring.messages import Abort, BucketReady, Credit, Final, Hello
 from weightsync_core.engines.ring.session import RingSession
-from weightsync_core.engines.ring.slots import HeldSlots
 from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
 from weightsync_core.verification import DeliveryVerifier
 
@@ -25,14 +24,21 @@ class RingReceiver:
     """The receiving steps of one sync on a rollout worker (see
     :meth:`RingCheckpointEngine.receive_weights`).
 
+    Each bucket is copied out of its registered slot into a buffer of this process's own
+    (``copies``) before its checksum is checked, and the consumer gets views of that copy:
+    the bytes the server reads are the bytes that were verified, whatever a peer writes into
+    registered memory afterwards. The slot goes back to the upstream once it is copied and
+    forwarded.
+
     Args:
         session: this sync's session (its link holds the slots, transport and bounds).
         checksum: the sync's bucket checksum, as the sender computed it.
         verify: check each bucket's checksum and the delivery against the manifest.
+        copies: the buffers buckets are copied into (reused only while nothing views them).
     """
 
     def __init__(self, session: RingSession, checksum: Callable[[torch.Tensor], int],
-                 verify: bool) -> None:
+                 verify: bool, copies: ReceiveBuffers) -> None:
         self.session = session
         self.link = session.link
         self.placement = placement = session.placement
@@ -40,27 +46,20 @@ class RingReceiver:
             raise WeightSyncError(f"{self.link.where} has no upstream neighbour to receive from")
         self.upstream, self.upstream_name = placement.upstream, placement.upstream_name
         self.verify = verify
+        self.copies = copies
         self.unpacker = BucketUnpacker(copy=False)
         self.verifier = DeliveryVerifier(checksum)
         self.forward: asyncio.Task | None = None
-        self.held = HeldSlots(self._release)
         self.expected = 0
 
     async def greet(self) -> None:
-        """Renew the slots a server still views from the last sync, then announce the
-        slots to the upstream neighbour."""
+        """Announce this worker's slots to the upstream neighbour."""
         slots = self.link.slots
-        for index in range(len(slots)):
-            if not slots.reusable(index):
-                await run_blocking(slots.replace, index)
         hello = Hello(self.placement.sync_id, self.link.transport.metadata(), slots.descriptors)
         await self.session.send(self.upstream, self.upstream_name, hello)
 
     async def next_message(self) -> BucketReady | Final:
-        """The upstream's next bucket announcement or its final message (an abort raises).
-
-        At most one slot (the last bucket's) is held back meanwhile, so with two or more
-        slots the upstream always has one to write the next bucket into."""
+        """The upstream's next bucket announcement or its final message (an abort raises)."""
         upstream = self.upstream_name
         message = await self.session.wait(
             self.session.from_upstream.get(), timeout=self.link.timeout,
@@ -81,56 +80,43 @@ class RingReceiver:
         self.verifier.finish(final.manifest, incomplete=self.unpacker.incomplete())
 
     async def accept(self, message: BucketReady) -> torch.Tensor:
-        """Check an announced bucket, start forwarding it, verify it; returns its bytes."""
+        """Check an announced bucket, start forwarding it, copy it out of its slot and
+        verify the copy; returns the copy's bytes (the slot is credited back meanwhile)."""
         meta, slot = message.meta, message.slot
         self._check_announcement(meta, slot)
         self.expected += 1
-        data = self.link.slots[slot][: meta.nbytes]
+        data = self.link.slots.require(slot)[: meta.nbytes]
         synchronize_device(self.link.device)
         if self.placement.downstream is not None:
             self.forward = self.session.spawn(
                 self.session.forward_bucket(data, meta, self.forward)
             )
+        copy = self.copies.take(meta.index)[: meta.nbytes]
+        await copy_bytes(copy, data)
+        synchronize_device(self.link.device)
+        del data
+        self.session.spawn(self._credit(slot, self.forward))
         if self.verify:
             # on a worker thread: the loop keeps forwarding and crediting meanwhile
             await run_blocking(
-                self.verifier.check_bucket, data, meta, source=self.upstream_name
+                self.verifier.check_bucket, copy, meta, source=self.upstream_name
             )
-        return data
+        return copy
 
     def deliver(
         self, data: torch.Tensor, message: BucketReady
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the bucket's tensors as views of its slot; each request for more frees
-        the slots of earlier buckets. Afterwards the slot stays held while the consumer
-        may view it."""
-        yielded = False
+        """Yield the bucket's tensors as views of its copy (a copy the consumer still views
+        is never reused)."""
         for item in self.unpacker.unpack(data, message.meta):
             self.verifier.record(*item)
             yield item
-            yielded = True
-            # the consumer asked for more: it is done with earlier buckets' tensors
-            self.held.release_all()
-        del data  # drop our views: only the consumer's may remain
-        item = None
-        if yielded:
-            self.held.hold(message.slot, self.forward)
-        else:  # chunks only: copied out, nobody views this slot
-            self.held.release(message.slot, self.forward)
 
-    def _release(self, slot: int, forward: asyncio.Task | None) -> None:
-        self.session.spawn(self._free_slot(slot, forward))
-
-    async def _free_slot(self, slot: int, forward: asyncio.Task | None) -> None:
-        """Give ``slot`` back to the upstream neighbour once it has been forwarded; if the
-        consumer still views its buffer, announce a fresh buffer for it instead."""
+    async def _credit(self, slot: int, forward: asyncio.Task | None) -> None:
+        """Give ``slot`` back to the upstream neighbour once it has been forwarded."""
         if forward is not None:
             await forward
-        placement, slots = self.placement, self.link.slots
-        credit = Credit(placement.sync_id, slot)
-        if not slots.reusable(slot):
-            buffer = await run_blocking(slots.replace, slot)
-            credit = Credit(placement.sync_id, slot, buffer, self.link.transport.metadata())
+        credit = Credit(self.placement.sync_id, slot)
         await self.session.send(self.upstream, self.upstream_name, credit)
 
     def _check_announcement(self, meta: BucketMeta, slot: int) -> None:

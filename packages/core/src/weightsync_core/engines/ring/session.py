@@ -183,27 +183,16 @@ class RingSession:
                 )
                 with link.progress.waiting_on(self._downstream_name, "connecting to it"):
                     peer = await run_blocking(link.transport.connect, hello.peer)
-                self._downstream = Downstream(peer, list(hello.slots), metadata=hello.peer)
+                self._downstream = Downstream(peer, list(hello.slots))
         return self._downstream
 
     async def take_slot(self, index: int) -> tuple[Downstream, int]:
-        """Wait until a downstream slot is free for bucket ``index``; claim it. If the slot
-        got a new buffer, load the downstream's newest transport metadata first (alone on
-        the connection: no other write uses it meanwhile)."""
+        """Wait until a downstream slot is free for bucket ``index``; claim it."""
         downstream = await self.downstream()
         slot = await self.wait(
-            downstream.free.get(), timeout=self.link.timeout,
+            downstream.take(), timeout=self.link.timeout,
             on_timeout=f"a free slot for bucket {index}", peer=self._downstream_name,
         )
-        if slot in downstream.unloaded:
-            async with downstream.gate.renewing():
-                if slot in downstream.unloaded:  # not already loaded by another forward
-                    downstream.unloaded.clear()
-                    with self.link.progress.waiting_on(self._downstream_name,
-                                                       "reconnecting to it"):
-                        downstream.peer = await run_blocking(
-                            self.link.transport.connect, downstream.metadata
-                        )
         return downstream, slot
 
     async def send(self, endpoint: str, peer: str, message: RingMessage) -> None:
@@ -244,8 +233,7 @@ class RingSession:
                 "update_weights_bucket_megabytes on both sides",
                 peer=self._downstream_name, stage=stage,
             )
-        async with downstream.gate.writing():
-            await self._write(downstream.peer, data, target.at(0, meta.nbytes), stage)
+        await self._write(downstream.peer, data, target.at(0, meta.nbytes), stage)
         if previous is not None:
             await previous
         await self.send_downstream(BucketReady(self.placement.sync_id, slot, meta))
