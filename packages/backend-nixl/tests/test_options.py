@@ -148,3 +148,28 @@ def test_connected_agents_leave_the_cpu_idle_between_transfers():
 def test_progress_delay_is_checked_before_an_agent_starts():
     with pytest.raises(EngineOptionsError, match="progress_delay_us"):
         CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"progress_delay_us": -1}})
+
+
+def test_an_unknown_plugin_fails_when_the_config_is_built_naming_those_offered():
+    with pytest.raises(EngineOptionsError) as info:
+        CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"plugin": "NOPE"}})
+    message = str(info.value)
+    assert message.startswith("backend 'nixl': option 'plugin' must be a NIXL backend plugin "
+                              "of this host's NIXL, got 'NOPE'.")
+    assert "Plugins offered: " in message and "UCX" in message
+    assert "fix engine_kwargs['nixl']['plugin']" in message
+    with pytest.raises(EngineOptionsError, match=r"got 'ucx'\. Did you mean 'UCX'\?"):
+        CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"plugin": "ucx"}})
+    from weightsync_nixl.options import available_plugins
+
+    offered = available_plugins()
+    assert offered is not None and "UCX" in offered
+    CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"plugin": sorted(offered)[0]}})
+
+
+def test_without_nixl_in_the_process_the_plugin_is_left_to_where_the_engine_runs(monkeypatch):
+    from weightsync_nixl import options as nixl_options
+    from weightsync_nixl.options import NixlOptions
+
+    monkeypatch.setattr(nixl_options, "available_plugins", lambda: None, raising=False)
+    NixlOptions(plugin="NOPE")  # a driver without NIXL: the transport checks it in the worker

@@ -61,3 +61,76 @@ def test_errors_survive_pickling_across_ray_with_their_attributes():
         copy = pickle.loads(pickle.dumps(error))
         assert type(copy) is type(error) and str(copy) == str(error)
         assert copy.__dict__ == error.__dict__
+
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def six_gib_machine(monkeypatch):
+    """This machine, as if it had 6 GiB of physical memory."""
+    from weightsync_core import config as config_module
+
+    monkeypatch.setattr(config_module, "physical_memory_bytes", lambda: 6 * GIB, raising=False)
+
+
+def test_host_buckets_that_cannot_fit_in_physical_memory_are_refused(six_gib_machine):
+    # a receiver holds up to three buckets: 3 x 2048 MiB fit in 6 GiB, 3 x 2049 do not
+    assert CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=2048)
+    with pytest.raises(ValueError) as info:
+        CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=2049)
+    message = str(info.value)
+    assert message.startswith("update_weights_bucket_megabytes=2049 does not fit in this "
+                              "machine's memory")
+    assert "this machine has 6.0 GiB of physical memory" in message
+    assert "The largest accepted here is 2048 MiB" in message
+
+
+def test_the_memory_bound_counts_a_ring_worker_s_slots_and_spares_device_buckets(
+    six_gib_machine,
+):
+    from weightsync_core.engines import RingCheckpointEngine
+    from weightsync_core.registry import CheckpointEngineRegistry
+
+    if "test_memory_ring" not in CheckpointEngineRegistry.names():
+        @CheckpointEngineRegistry.register("test_memory_ring")
+        class _Ring(RingCheckpointEngine):
+            def create_transport(self):
+                raise NotImplementedError
+
+    def ring(megabytes, **options):
+        return CheckpointEngineConfig(backend="test_memory_ring",
+                                      update_weights_bucket_megabytes=megabytes,
+                                      engine_kwargs={"test_memory_ring": options})
+
+    with pytest.raises(ValueError, match=r"holds up to 8 buckets .* accepted here is 768 MiB"):
+        ring(1024, slots=8)
+    assert ring(768, slots=8)
+    with pytest.raises(ValueError, match=r"or keep the buckets on a device \(engine option "
+                                         r"device='cuda'\)"):
+        ring(4096)
+    assert ring(4096, device="cuda")  # on a GPU: bounded by the 64 GiB cap only
+    assert CheckpointEngineConfig(backend="naive", update_weights_bucket_megabytes=4096)
+
+
+def test_the_bucket_is_checked_again_where_the_engine_is_built(monkeypatch):
+    from weightsync_core import config as config_module
+    from weightsync_core.worker import build_engine
+
+    config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1024)
+    # a worker's machine, smaller than the driver's
+    monkeypatch.setattr(config_module, "physical_memory_bytes", lambda: 2 * GIB, raising=False)
+    with pytest.raises(ValueError, match="largest accepted here is 682 MiB"):
+        build_engine(config)
+
+
+def test_the_64_gib_cap_holds_beside_this_machine_s_real_memory():
+    from weightsync_core.config import MAX_BUCKET_MEGABYTES, physical_memory_bytes
+
+    memory = physical_memory_bytes()
+    assert memory is not None and memory > GIB
+    if memory >= 3 * (MAX_BUCKET_MEGABYTES << 20):
+        pytest.skip("this machine holds three 64 GiB buckets")
+    with pytest.raises(ValueError, match=f"GiB of physical memory. The largest accepted here "
+                                         f"is {memory // 3 >> 20} MiB"):
+        CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=MAX_BUCKET_MEGABYTES)

@@ -4,8 +4,9 @@ by the driver and inside every Ray worker process; verification catches a corrup
 import pytest
 import ray
 
-from weightsync_core import CheckpointEngineConfig, SyncStageError
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker, SyncStageError
 from weightsync_core.testing import SyncHarness
+from weightsync_core.testing.actors import WeightSourceActor
 
 
 def config(backend):
@@ -73,3 +74,24 @@ def test_an_engine_written_for_verl_runs_with_only_its_base_import_changed(
                 assert report["global_steps"][-1] == step
     finally:
         harness.shutdown()
+
+
+def test_the_driver_allowlist_binds_workers_that_started_before_it_was_set(monkeypatch):
+    """Ray (and its workers' environment) is up before the operator sets the allowlist in
+    the driver: the workers never see the variable, but get it with the config."""
+    assert ray.is_initialized()
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company")
+    config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1)
+    # the config is a mutable dataclass: changed after the driver checked it, nothing on the
+    # driver checks it again before the workers start and import the module
+    config.backend, config.custom_backend_module = "acme_gloo", "acme_weightsync"
+    rollout = ray.remote(CheckpointEngineWorker).options(num_cpus=0).remote(config)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(rollout.weights_status.remote(), timeout=120)
+    message = str(info.value)
+    assert "PluginError: custom_backend_module='acme_weightsync' is not allowed" in message
+    assert "WEIGHTSYNC_TRUSTED_MODULES=my_company in the driver's environment" in message
+    # the actor side builds its engine the same way
+    actor = ray.remote(WeightSourceActor).options(num_cpus=0).remote(config)
+    with pytest.raises(ray.exceptions.RayActorError, match="is not allowed"):
+        ray.get(actor.report.remote(), timeout=120)

@@ -6,13 +6,18 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import ray
 
-from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager, CheckpointEngineWorker
+from weightsync_core.engines import RingOptions
 from weightsync_core.errors import EngineOptionsError
 from weightsync_core.options import EngineOptions, parse_options
 from weightsync_core.testing.docs import check_documented_options
+from weightsync_core.worker import build_engine
 
 README = Path(__file__).parents[1] / "README.md"
+NOT_HERE = "192.0.2.1"
+"""An address no machine holds (TEST-NET-1, reserved for documentation by RFC 5737)."""
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,38 @@ def test_documented_options_are_options(tmp_path):
     wrong.write_text("| engine kwarg | default |\n| --- | --- |\n| `sender` | 1 |\n")
     with pytest.raises(AssertionError, match=r"names \['sender'\]"):
         check_documented_options(wrong, "gloo")
+
+
+def test_a_host_of_no_interface_here_passes_the_driver_and_fails_where_the_engine_is_built():
+    # the driver checks nothing machine-bound: a worker's address is not the driver's
+    config = CheckpointEngineConfig(backend="gloo", engine_kwargs={"gloo": {"host": NOT_HERE}})
+    with pytest.raises(EngineOptionsError) as info:
+        build_engine(config)
+    message = str(info.value)
+    assert message.startswith(
+        f"backend 'gloo': option 'host' (engine_kwargs['gloo']['host']) is '{NOT_HERE}', "
+        "which this machine"
+    )
+    assert "EADDRNOTAVAIL" in message and "WEIGHTSYNC_HOST" in message
+
+
+def test_weightsync_host_of_no_interface_here_is_refused_where_the_engine_is_built(monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_HOST", NOT_HERE)
+    config = CheckpointEngineConfig(backend="gloo")
+    named = (r"WEIGHTSYNC_HOST \(this process's environment; option 'host' is not set\) is "
+             r"'192\.0\.2\.1'")
+    with pytest.raises(EngineOptionsError, match=named):
+        build_engine(config)
+    with pytest.raises(EngineOptionsError, match=r"backend 'nixl': WEIGHTSYNC_HOST"):
+        RingOptions().check_local("nixl")
+    RingOptions(host="127.0.0.1").check_local("nixl")  # the option wins over the variable
+    EngineOptions().check_local("naive")  # binds nothing
+
+
+def test_a_rollout_worker_given_a_host_of_no_interface_of_its_machine_fails_as_it_starts():
+    config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1,
+                                    engine_kwargs={"gloo": {"host": NOT_HERE}})
+    worker = ray.remote(CheckpointEngineWorker).options(num_cpus=0).remote(config)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(worker.weights_status.remote(), timeout=120)
+    assert "EngineOptionsError: backend 'gloo': option 'host'" in str(info.value)

@@ -91,3 +91,39 @@ def test_manager_class_hook(external_plugins_on_path):
         load_checkpoint_manager_class("CountingManager")
     with pytest.raises(PluginError, match="file path"):
         load_checkpoint_manager_class("/tmp/acme_managers.CountingManager")
+
+
+def test_the_driver_allowlist_travels_with_the_config_and_no_file_can_set_it(monkeypatch):
+    import dataclasses
+    import pickle
+
+    from weightsync_core import convert
+    from weightsync_core.conversion import ConversionError
+
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company, other_corp.plugins")
+    config = CheckpointEngineConfig(backend="gloo")
+    assert config.trusted_modules == ("my_company", "other_corp.plugins")
+    monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES")
+    carried = pickle.loads(pickle.dumps(config))  # as Ray hands it to a worker
+    assert carried.trusted_modules == ("my_company", "other_corp.plugins")
+    assert "trusted_modules" not in dataclasses.asdict(config)  # a dict of it, a file: none
+    assert CheckpointEngineConfig(backend="gloo").trusted_modules is None
+    with pytest.raises(TypeError, match="trusted_modules"):
+        CheckpointEngineConfig(backend="gloo", trusted_modules=("acme_weightsync",))  # pyright: ignore[reportCallIssue]
+    with pytest.raises(ConversionError, match="unknown key 'trusted_modules'"):
+        convert({"backend": "gloo", "trusted_modules": ["acme"]}, CheckpointEngineConfig)
+    with pytest.raises(AttributeError):
+        config.trusted_modules = None  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_a_process_applies_the_driver_allowlist_beside_its_own(monkeypatch,
+                                                               external_plugins_on_path):
+    monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES", raising=False)  # this process: none
+    with pytest.raises(PluginError, match=(
+        r"WEIGHTSYNC_TRUSTED_MODULES=my_company in the driver's environment \(carried to this "
+        r"process by the CheckpointEngineConfig built there")):
+        load_custom_backend_module("acme_weightsync", trusted=("my_company",))
+    assert "acme_gloo" in load_custom_backend_module("acme_weightsync", ("acme_weightsync",))
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company")  # both lists must allow it
+    with pytest.raises(PluginError, match=r"WEIGHTSYNC_TRUSTED_MODULES=my_company\. Ask"):
+        load_custom_backend_module("acme_weightsync", ("acme_weightsync",))

@@ -7,11 +7,15 @@ import pytest
 
 from weightsync_core.errors import GroupInitTimeoutError
 from weightsync_core.process_group import (
+    check_bind_host,
     create_store,
     listen_on_free_port,
     rendezvous,
     reserve_port,
 )
+
+NOT_HERE = "192.0.2.1"
+"""An address no machine holds (TEST-NET-1, reserved for documentation by RFC 5737)."""
 
 
 def test_rendezvous_names_the_missing_ranks():
@@ -60,6 +64,23 @@ def test_store_listens_on_the_configured_host_only():
 def test_wildcard_hosts_are_refused():
     with pytest.raises(ValueError, match=r"not '0\.0\.0\.0'"):
         listen_on_free_port("0.0.0.0")
+
+
+def test_an_address_of_no_interface_of_this_machine_is_refused_before_any_listener():
+    assert check_bind_host("127.0.0.1") == "127.0.0.1"
+    for refused in (lambda: check_bind_host(NOT_HERE), lambda: listen_on_free_port(NOT_HERE)):
+        with pytest.raises(ValueError) as info:
+            refused()
+        message = str(info.value)
+        assert f"is '{NOT_HERE}', which this machine" in message  # what was given
+        assert "EADDRNOTAVAIL" in message  # why
+        assert "an address of one of this machine's network interfaces" in message  # accepted
+        assert "engine_kwargs[<backend>]['host']" in message and "WEIGHTSYNC_HOST" in message
+
+
+def test_the_setting_that_gave_the_host_is_named():
+    with pytest.raises(ValueError, match=r"^WEIGHTSYNC_HOST is '192\.0\.2\.1'"):
+        check_bind_host(NOT_HERE, setting="WEIGHTSYNC_HOST")
 
 
 def _listening_addresses(port: int) -> set[str]:

@@ -104,3 +104,36 @@ def test_ring_topology_needs_both_sides():
 
     with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
         ring_topology(1, 0, [{"endpoint": "tcp://h:1"}])
+
+
+@pytest.mark.parametrize(("lie", "index", "problem"), [
+    ({"host": "a", "member": "s0", "group": None}, 0, "without 'port' (it holds 'host', "
+                                                      "'member', 'group')"),
+    ("garbage", 2, "that is not a dict but str 'garbage'"),
+    (meta("a", "s0", port="29500"), 0, "whose 'port' is '29500', not a port number"),
+    (meta("a", "r1", group={"port": 7}), 3, "whose 'group' is {'port': 7}, not None or a group"),
+    (meta("", "r1"), 3, "whose 'host' is '', not a non-empty string"),
+])
+def test_broadcast_metadata_that_lies_is_refused_naming_the_process(lie, index, problem):
+    from weightsync_core.errors import MetadataError
+
+    metadata = [meta("a", "s0"), meta("a", "s1"), meta("b", "r0"), meta("c", "r1")]
+    metadata[index] = lie
+    with pytest.raises(MetadataError) as info:
+        broadcast_topology(2, 2, metadata)
+    assert info.value.index == index and info.value.problem.startswith(problem)
+    name = ["actor rank 0", "actor rank 1", "rollout rank 0", "rollout rank 1"][index]
+    assert str(info.value).startswith(f"{name} returned metadata {problem}")
+
+
+def test_a_ring_worker_without_its_endpoint_is_refused_naming_it():
+    from weightsync_core.errors import MetadataError
+    from weightsync_core.topology import ring_topology
+
+    metadata = [{"endpoint": "tcp://h:0"}, {"endpoint": "tcp://h:1"}, {"peer": "x"}]
+    with pytest.raises(MetadataError, match=r"^rollout rank 1 returned metadata without "
+                                            r"'endpoint' \(it holds 'peer'\) from prepare\(\)"):
+        ring_topology(1, 2, metadata)
+    with pytest.raises(MetadataError, match="rollout rank 0 returned metadata that is not a "
+                                            "dict but NoneType None"):
+        ring_topology(1, 2, [{"endpoint": "tcp://h:0"}, None, {"endpoint": "tcp://h:2"}])

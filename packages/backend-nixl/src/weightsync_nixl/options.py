@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import importlib
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -9,10 +13,52 @@ from weightsync_core.spi import (
     RingOptions,
 )
 
-__all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlOptions"]
+__all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlOptions", "available_plugins"]
 
 DEFAULT_PROGRESS_DELAY_US = 1000
 """How long a NIXL agent's progress thread waits for network events between passes (µs)."""
+
+
+def available_plugins() -> frozenset[str] | None:
+    """The NIXL backend plugins this process's NIXL library offers (``UCX``, ``LIBFABRIC``,
+    ``POSIX``, ...), or None where NIXL cannot be imported here (a driver without it: the
+    plugin is then checked where the engine runs). Asked once per process, of an agent
+    with no thread and no backend (it loads no plugin)."""
+    return _plugins_offered()
+
+
+@functools.cache
+def _plugins_offered() -> frozenset[str] | None:
+    try:
+        importlib.import_module("nixl")
+        bindings = importlib.import_module("nixl._bindings")
+    except (ImportError, OSError):
+        return None
+    config = bindings.nixlAgentConfig()
+    config.useProgThread = False
+    config.useListenThread = False
+    probe = bindings.nixlAgent(f"weightsync-plugins-{uuid.uuid4().hex[:12]}", config)
+    return frozenset(probe.getAvailPlugins())
+
+
+def _check_plugin(plugin: str) -> None:
+    """Refuse a ``plugin`` this process's NIXL does not offer (where NIXL is here).
+
+    Raises:
+        ValueError: naming the option, the value, the plugins offered and the fix.
+    """
+    offered = available_plugins()
+    if offered is None or plugin in offered:
+        return
+    by_case = {name.lower(): name for name in offered}
+    close = ([by_case[plugin.lower()]] if plugin.lower() in by_case
+             else difflib.get_close_matches(plugin, sorted(offered), n=1))
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"option 'plugin' must be a NIXL backend plugin of this host's NIXL, got "
+        f"{plugin!r}.{hint} Plugins offered: {', '.join(sorted(offered)) or 'none'}; fix "
+        "engine_kwargs['nixl']['plugin'] (default 'UCX')"
+    )
 
 
 @dataclass(frozen=True)
@@ -21,7 +67,9 @@ class NixlOptions(RingOptions):
     ``keep_buffers``, ``rebuild_group``).
 
     Attributes:
-        plugin: NIXL backend plugin (``"UCX"``; ``"LIBFABRIC"`` on EFA, ...).
+        plugin: NIXL backend plugin (``"UCX"``; ``"LIBFABRIC"`` on EFA, ...); where NIXL is
+            importable when the options are built (the driver, each worker), it must be one
+            of the plugins it offers (:func:`available_plugins`).
         plugin_params: extra init parameters of the plugin, e.g. ``{"num_workers": "2"}``.
         ucx_devices: the UCX plugin's ``ucx_devices`` parameter: which NICs UCX may use,
             e.g. ``"mlx5_0:1,mlx5_1:1"`` (default: all).
@@ -49,6 +97,7 @@ class NixlOptions(RingOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_plugin(self.plugin)
         bad = sorted(key for key in self.ucx_env if not key.startswith("UCX_"))
         if bad:
             raise ValueError(

@@ -10,17 +10,28 @@ transport errors (which usually only echo one of those), then pure echoes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 import ray.exceptions
 
-from weightsync_core.errors import GroupInitTimeoutError, SenderAbortedError, TransferError
+from weightsync_core.errors import (
+    GroupInitTimeoutError,
+    MetadataError,
+    SenderAbortedError,
+    TransferError,
+)
 from weightsync_core.sync_layout import SyncLayout
 
-__all__ = ["Culprit", "describe_exception", "rank_failures", "stalled_processes"]
+__all__ = [
+    "Culprit",
+    "describe_exception",
+    "metadata_culprit",
+    "rank_failures",
+    "stalled_processes",
+]
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,38 @@ def rank_failures(
     if sender is not None and sender != reporter:
         return Culprit(sender, f"sent data that failed verification on {reporter}"), reporter, exc
     return Culprit(reporter, "failed"), reporter, exc
+
+
+def metadata_culprit(exc: BaseException, metadata: Sequence[Any]) -> tuple[int, str] | None:
+    """The process whose ``prepare()`` metadata made ``build_topology`` fail with ``exc``:
+    ``(its index in metadata, what was wrong with it)``, or None when no process stands out.
+
+    A :class:`~weightsync_core.errors.MetadataError` says which (the core builders check
+    every entry). Else, for an engine's own builder: after a ``KeyError``, the one process
+    whose metadata is not a dict or lacks the key while others hold it; after a
+    ``TypeError`` or ``AttributeError``, the one whose metadata is not a dict while others'
+    are. Where every process returned the same (an engine at odds with its own builder), no
+    process is blamed.
+    """
+    if isinstance(exc, MetadataError):
+        return None if exc.index is None else (exc.index, exc.problem)
+    odd = [index for index, entry in enumerate(metadata) if not isinstance(entry, Mapping)]
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        key = exc.args[0]
+        odd = [index for index, entry in enumerate(metadata)
+               if not isinstance(entry, Mapping) or key not in entry]
+        problem = f"without {key!r}"
+    elif isinstance(exc, TypeError | AttributeError):
+        problem = "that is not a dict"
+    else:
+        return None
+    if not odd or len(odd) == len(metadata):
+        return None
+    index = odd[0]
+    entry = metadata[index]
+    if not isinstance(entry, Mapping):
+        problem = f"that is not a dict but {type(entry).__name__} {repr(entry)[:120]}"
+    return index, problem
 
 
 def stalled_processes(

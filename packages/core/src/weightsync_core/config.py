@@ -3,16 +3,57 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import BackendNotFoundError, PluginError
 
-__all__ = ["MAX_BUCKET_MEGABYTES", "CheckpointEngineConfig", "parse_dtype"]
+if TYPE_CHECKING:
+    from weightsync_core.base import CheckpointEngine
+
+__all__ = [
+    "BUCKETS_PER_PROCESS",
+    "MAX_BUCKET_MEGABYTES",
+    "CheckpointEngineConfig",
+    "host_bucket_buffers",
+    "parse_dtype",
+    "physical_memory_bytes",
+]
 
 MAX_BUCKET_MEGABYTES = 64 << 10
 """The largest bucket accepted (64 GiB): a sender allocates two, a receiver up to three."""
+
+BUCKETS_PER_PROCESS = 3
+"""The most buckets one process holds at once: a sender two, a receiver up to three."""
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), or None
+    where the system does not say."""
+    try:
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page_size if pages > 0 and page_size > 0 else None
+
+
+def host_bucket_buffers(engine_cls: type[CheckpointEngine], options: object) -> int:
+    """How many buckets one process of ``engine_cls`` (with ``options``, its typed options,
+    or None) holds at most in host memory: none where it has no buckets (a colocated
+    engine) or keeps them on a device (``device="cuda"`` of a ring engine, the nccl and
+    hccl engines' ``device_type``); else :data:`BUCKETS_PER_PROCESS`, or a ring worker's
+    ``slots`` where that is more."""
+    if engine_cls.is_colocated:
+        return 0
+    device = getattr(options, "device", None)
+    if not isinstance(device, str):
+        device = getattr(engine_cls, "device_type", "cpu")
+    if not isinstance(device, str) or device.split(":")[0] != "cpu":
+        return 0
+    slots = getattr(options, "slots", 0)
+    return max(BUCKETS_PER_PROCESS, slots if isinstance(slots, int) else 0)
 
 
 @dataclass
@@ -23,12 +64,20 @@ class CheckpointEngineConfig:
         backend: registered engine name (``naive``, ``gloo``, ``nccl``, ``nixl``, ...).
         update_weights_bucket_megabytes: size of each transfer bucket in MiB; a sender
             allocates two (double buffering), a receiver up to three. Tensors larger than a
-            bucket are chunked.
+            bucket are chunked. At most 64 GiB, and, where the engine keeps its buckets in
+            host memory, at most a third of this machine's physical memory (checked when the
+            config is built and again where each engine is built).
         engine_kwargs: extra constructor arguments per backend name, e.g.
             ``{"nixl": {"plugin": "UCX"}}``; only the active backend's entry is used, and it
             is checked against that backend's typed options when the config is built.
         custom_backend_module: dotted module name (or list) imported in every process that
             builds an engine, so that a custom backend registers itself.
+        trusted_modules: not a field (no config file or constructor argument sets it): the
+            module prefixes of ``WEIGHTSYNC_TRUSTED_MODULES`` in the environment of the
+            process that built the config (the driver), or None. It travels with the config
+            to every Ray worker, which refuses a ``custom_backend_module`` outside it as
+            well as outside its own environment's list (a worker does not see a variable
+            the driver set after ``ray.init``).
         sync_timeout_seconds: a whole sync (all stages) must finish within this time, else it
             raises :class:`~weightsync_core.errors.SyncTimeoutError` naming the stage and ranks.
         verify: receivers check names, shapes, dtypes and a per-bucket checksum against the
@@ -45,6 +94,10 @@ class CheckpointEngineConfig:
     rollout_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        from weightsync_core.plugins import trusted_module_prefixes
+
+        prefixes = trusted_module_prefixes()
+        self._trusted_modules = tuple(prefixes) if prefixes is not None else None
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
         if (
@@ -73,7 +126,8 @@ class CheckpointEngineConfig:
         self.check_engine_options()
 
     def check_engine_options(self) -> None:
-        """Check the active backend's ``engine_kwargs`` against its typed options, here on
+        """Check the active backend's ``engine_kwargs`` against its typed options, and the
+        bucket size against this machine's memory (:meth:`check_bucket_memory`), here on
         the driver, before any process starts (this imports ``custom_backend_module`` and
         the backend). A backend or custom module that cannot be loaded in this process is
         left to the manager, which says what is missing; a module name that is no dotted
@@ -83,17 +137,62 @@ class CheckpointEngineConfig:
             EngineOptionsError: an unknown option, or a value of the wrong type or range.
             PluginError: a ``custom_backend_module`` name refused (see
                 :func:`~weightsync_core.plugins.custom_module_names`).
+            ValueError: buckets that cannot fit in this machine's memory.
         """
         from weightsync_core.plugins import custom_module_names, load_custom_backend_module
         from weightsync_core.registry import CheckpointEngineRegistry
 
-        custom_module_names(self.custom_backend_module)  # a path, or a module not allowed
+        # a path, or a module not allowed
+        custom_module_names(self.custom_backend_module, self.trusted_modules)
         try:
-            load_custom_backend_module(self.custom_backend_module)
+            load_custom_backend_module(self.custom_backend_module, self.trusted_modules)
             engine_cls = CheckpointEngineRegistry.get(self.backend)
         except (PluginError, BackendNotFoundError):
             return
         engine_cls.check_options(self.active_engine_kwargs, self.backend)
+        self.check_bucket_memory(engine_cls)
+
+    def check_bucket_memory(self, engine_cls: type[CheckpointEngine]) -> None:
+        """Refuse a bucket size whose buckets cannot fit in this machine's physical memory,
+        where ``engine_cls`` (the configured backend's engine, with this config's options)
+        keeps them in host memory (see :func:`host_bucket_buffers`; buckets on a device
+        are bounded by the 64 GiB cap only). Runs when the config is built and where each
+        engine is built (:func:`~weightsync_core.worker.build_engine`), each time against
+        the memory of the machine it runs on.
+
+        Raises:
+            ValueError: naming ``update_weights_bucket_megabytes``, the memory found and the
+                largest value accepted here.
+        """
+        from weightsync_core.options import parse_options
+
+        options = (parse_options(engine_cls.options_class, self.backend,
+                                 self.active_engine_kwargs)
+                   if engine_cls.declares_options() else None)
+        buffers = host_bucket_buffers(engine_cls, options)
+        memory = physical_memory_bytes()
+        if not buffers or memory is None or buffers * self.bucket_size_bytes <= memory:
+            return
+        largest = min(MAX_BUCKET_MEGABYTES, memory // buffers >> 20)
+        on_device = (", or keep the buckets on a device (engine option device='cuda')"
+                     if hasattr(options, "device") else "")
+        raise ValueError(
+            f"update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} does not "
+            f"fit in this machine's memory: backend {self.backend!r} holds up to {buffers} "
+            f"buckets in host memory in one process (a sender 2, a receiver up to 3, a ring "
+            f"worker its slots), {buffers * self.bucket_size_bytes / (1 << 30):.1f} GiB, and "
+            f"this machine has {memory / (1 << 30):.1f} GiB of physical memory. The largest "
+            f"accepted here is {largest} MiB: lower update_weights_bucket_megabytes to at "
+            f"most {largest}{on_device}"
+        )
+
+    @property
+    def trusted_modules(self) -> tuple[str, ...] | None:
+        """The ``WEIGHTSYNC_TRUSTED_MODULES`` prefixes in force where this config was built
+        (the driver), or None; every process that loads this config's
+        ``custom_backend_module`` applies them as well as its own environment's. Read-only,
+        and no field: no config file or constructor argument can set it."""
+        return vars(self).get("_trusted_modules")
 
     @property
     def bucket_size_bytes(self) -> int:

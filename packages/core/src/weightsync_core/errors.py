@@ -16,6 +16,7 @@ __all__ = [
     "GroupInitTimeoutError",
     "MalformedMessageError",
     "ManifestChangedError",
+    "MetadataError",
     "PluginError",
     "SenderAbortedError",
     "SyncStageError",
@@ -56,9 +57,28 @@ class PluginError(WeightSyncError, ValueError):
 
 
 class EngineOptionsError(WeightSyncError, ValueError):
-    """An ``engine_kwargs`` entry was refused on the driver: an unknown option, a value of the
-    wrong type or out of range. The message names the backend, the option, the value given
-    and what is accepted."""
+    """An ``engine_kwargs`` entry was refused on the driver (an unknown option, a value of the
+    wrong type or out of range), or, for what depends on the machine (a ``host`` that is no
+    address of it), where the engine is built. The message names the backend, the option,
+    the value given and what is accepted."""
+
+
+class MetadataError(WeightSyncError, ValueError):
+    """What a process's ``prepare()`` returned is not what its engine's topology needs: not a
+    dict, a key missing, or a value of the wrong kind (a process that lies, or an engine at
+    odds with its own builder).
+
+    Attributes:
+        index: the process's place in the metadata (actor ranks first, then rollout
+            workers), when known; the manager names the process from it.
+        problem: what is wrong, as in "returned metadata <problem> from prepare()", e.g.
+            ``"without 'endpoint'"``.
+    """
+
+    def __init__(self, message: str, *, index: int | None = None, problem: str = "") -> None:
+        super().__init__(message)
+        self.index = index
+        self.problem = problem
 
 
 class SyncStageError(WeightSyncError):

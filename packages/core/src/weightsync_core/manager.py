@@ -16,9 +16,10 @@ from typing import Any, ClassVar, TypeVar
 import ray
 
 from weightsync_core.base import CheckpointEngineWithCache
+from weightsync_core.blame import describe_exception, metadata_culprit
 from weightsync_core.blocking import retrieve_exception
 from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SyncStageError
+from weightsync_core.errors import MetadataError, SyncStageError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.ray_group import RayWorkerGroup
@@ -166,7 +167,7 @@ class CheckpointEngineManager:
         replicas: Iterable[RolloutReplica] = (),
     ) -> None:
         self.config = config
-        load_custom_backend_module(config.custom_backend_module)
+        load_custom_backend_module(config.custom_backend_module, config.trusted_modules)
         self.backend_cls = CheckpointEngineRegistry.get(config.backend)
         self.backend_cls.check_options(config.active_engine_kwargs, config.backend)
         self.actor_wg = actor_wg
@@ -478,11 +479,28 @@ class CheckpointEngineManager:
                 layout.actor_ranks, list(layout.replica_workers), metadata,
             )
         except Exception as exc:
-            raise stages.error(exc, "build_topology") from exc
+            raise self._topology_error(stages, layout, metadata, exc) from exc
         # engines written for verl may name the method too (verl's manager overwrites it)
         actor_kwargs.pop("method", None)
         rollout_kwargs.pop("method", None)
         return actor_kwargs, rollout_kwargs
+
+    @staticmethod
+    def _topology_error(
+        stages: SyncStages, layout: SyncLayout, metadata: list[Any], exc: Exception
+    ) -> SyncStageError:
+        """The error of a failed ``build_topology``: where one process's ``prepare()``
+        returned metadata the others did not (not a dict, a key missing, a value of the
+        wrong kind), that process is blamed at stage ``prepare``, before any byte moved;
+        else the builder's own error, at stage ``build_topology``."""
+        found = metadata_culprit(exc, metadata)
+        if found is None or not 0 <= found[0] < layout.world_size:
+            return stages.error(exc, "build_topology")
+        index, problem = found
+        detail = "" if isinstance(exc, MetadataError) else (
+            f" (build_topology failed on it: {describe_exception(exc)})")
+        return stages.blame("prepare", layout.names[index],
+                            f"returned metadata {problem} from prepare(){detail}")
 
     def _check_tensors_moved(self, sent: list[dict[str, Any]]) -> None:
         """Refuse a sync that moved no tensor (engines refuse that themselves; this guards

@@ -5,7 +5,9 @@ subclass) in its ``options_class``. The driver checks a configuration's ``engine
 against it when the config or the manager is built, before any Ray actor starts: an unknown
 option, a value of the wrong type (``rebuild_group='false'``, ``group_init_timeout='5'``) or
 an out-of-range value fails there, naming the backend, the option, what was given and what
-is accepted. Each engine then reads its options from ``self.options``.
+is accepted. Each engine then reads its options from ``self.options``. What depends on the
+machine (that ``host`` is an address of it) is checked where the engine is built, in its own
+process (:meth:`EngineOptions.check_local`), not on the driver.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from weightsync_core.conversion import ConversionError, convert
 from weightsync_core.errors import EngineOptionsError
+from weightsync_core.process_group import HOST_ENV, check_bind_host, default_host
 
 __all__ = ["CONFIG_SETTINGS", "EngineOptions", "parse_options", "unknown_option"]
 
@@ -57,6 +61,38 @@ class EngineOptions:
             value = getattr(self, option.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"option {option.name!r} must be a finite number, got {value!r}")
+
+    def check_local(self, backend: str) -> None:
+        """Check what only the process that uses these options can check, on its own
+        machine: called where the engine is built in that process
+        (:func:`weightsync_core.worker.build_engine`), never on the driver, whose machine
+        may not be the engine's (an address of a worker's machine is no address of the
+        driver's). Here: the address this process binds (a ``host`` option, else
+        ``WEIGHTSYNC_HOST``, else the Ray node's IP) must be one of this machine's.
+        Options without a ``host`` field bind nothing and pass.
+
+        Raises:
+            EngineOptionsError: naming the option (or ``WEIGHTSYNC_HOST``), the value, what
+                is accepted and how to fix it.
+        """
+        if "host" not in {option.name for option in dataclasses.fields(self)}:
+            return
+        host = getattr(self, "host", None)
+        if host is not None and not isinstance(host, str):
+            return  # the type check refused it already
+        try:
+            check_bind_host(host or default_host(), setting=_host_setting(backend, host))
+        except ValueError as exc:
+            raise EngineOptionsError(f"backend {backend!r}: {exc}") from exc
+
+
+def _host_setting(backend: str, host: str | None) -> str:
+    """Where the address an engine binds comes from, as its error names it."""
+    if host:
+        return f"option 'host' (engine_kwargs[{backend!r}]['host'])"
+    if os.environ.get(HOST_ENV):
+        return f"{HOST_ENV} (this process's environment; option 'host' is not set)"
+    return f"the Ray node's address (neither option 'host' nor {HOST_ENV} is set)"
 
 
 def parse_options(options_class: type[OptionsT], backend: str, given: Mapping[str, Any]

@@ -4,7 +4,11 @@ Configuration may name a module to import (``custom_backend_module``) or a class
 (``checkpoint_manager_class``). Only dotted Python names are accepted: file paths, URLs and
 relative names are refused. An operator can restrict which modules may be loaded by setting
 ``WEIGHTSYNC_TRUSTED_MODULES`` to a comma-separated list of module prefixes; a configuration
-file cannot change that.
+file cannot change that. The list in force on the driver when a
+:class:`~weightsync_core.config.CheckpointEngineConfig` is built travels with it
+(``trusted_modules``): every process that loads the config's modules applies it as well as
+its own environment's, so a worker started before the variable was set (it does not see
+variables set in the driver after ``ray.init``) refuses what the driver refuses.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = [
     "custom_module_names",
     "load_class",
     "load_custom_backend_module",
+    "trusted_module_prefixes",
     "validate_module_name",
 ]
 
@@ -38,12 +43,22 @@ T = TypeVar("T")
 _registered_by_module: dict[str, list[str]] = {}
 
 
-def validate_module_name(name: object, *, setting: str = "custom_backend_module") -> str:
+def validate_module_name(
+    name: object, *, setting: str = "custom_backend_module",
+    trusted: Sequence[str] | None = None,
+) -> str:
     """Return ``name`` if it is an absolute dotted module name allowed by the operator.
+
+    Args:
+        name: the module name.
+        setting: the setting that named it, for errors.
+        trusted: the driver's ``WEIGHTSYNC_TRUSTED_MODULES`` prefixes (a config's
+            ``trusted_modules``), applied as well as this process's own; None: none.
 
     Raises:
         PluginError: the value is not a string, looks like a path or URL, is relative, or is
-            outside the prefixes listed in ``WEIGHTSYNC_TRUSTED_MODULES``.
+            outside the prefixes listed in ``WEIGHTSYNC_TRUSTED_MODULES`` (this process's,
+            or the driver's as ``trusted`` carries it).
     """
     if not isinstance(name, str) or not name.strip():
         raise PluginError(f"{setting} must be a dotted module name such as 'my_pkg.backend', "
@@ -64,37 +79,52 @@ def validate_module_name(name: object, *, setting: str = "custom_backend_module"
             "accepted (e.g. 'my_company.weightsync_backend'); install the module or put its "
             "directory on PYTHONPATH in every process instead of pointing at a file."
         )
-    trusted = _trusted_prefixes()
+    _check_allowed(name, setting, trusted_module_prefixes(), "")
+    if trusted is not None:
+        _check_allowed(name, setting, list(trusted), (
+            " in the driver's environment (carried to this process by the "
+            "CheckpointEngineConfig built there, as its trusted_modules)"
+        ))
+    return name
+
+
+def _check_allowed(name: str, setting: str, trusted: list[str] | None, where: str) -> None:
+    """Refuse ``name`` unless it is, or is inside, one of the ``trusted`` prefixes (None:
+    every name is allowed); ``where`` says whose allowlist it is."""
     if trusted is not None and not any(
         name == prefix or name.startswith(prefix + ".") for prefix in trusted
     ):
         raise PluginError(
             f"{setting}={name!r} is not allowed: the operator restricted loadable modules with "
-            f"{TRUSTED_MODULES_ENV}={','.join(trusted)}. Ask the operator to add its package "
-            "prefix to that variable."
+            f"{TRUSTED_MODULES_ENV}={','.join(trusted)}{where}. Ask the operator to add its "
+            "package prefix to that variable."
         )
-    return name
 
 
-def load_custom_backend_module(module: str | Sequence[str] | None) -> list[str]:
+def load_custom_backend_module(
+    module: str | Sequence[str] | None, trusted: Sequence[str] | None = None
+) -> list[str]:
     """Import the module(s) named by ``custom_backend_module`` so their backends register.
 
-    Call this in every process that builds an engine (driver and each Ray worker); it is
-    idempotent. Returns the backend names the module(s) registered.
+    Call this in every process that builds an engine (driver and each Ray worker), with the
+    config's ``trusted_modules`` as ``trusted`` (the driver's allowlist); it is idempotent.
+    Returns the backend names the module(s) registered.
 
     Raises:
         PluginError: a name is refused (see :func:`validate_module_name`), the import fails,
             or the module registered no backend.
     """
     registered: list[str] = []
-    for name in custom_module_names(module):
+    for name in custom_module_names(module, trusted):
         registered.extend(_import_backend_module(name))
     return registered
 
 
-def custom_module_names(module: str | Sequence[str] | None) -> list[str]:
+def custom_module_names(
+    module: str | Sequence[str] | None, trusted: Sequence[str] | None = None
+) -> list[str]:
     """The module names a ``custom_backend_module`` setting gives, each checked (without
-    importing anything).
+    importing anything) against this process's allowlist and ``trusted`` (the driver's).
 
     Raises:
         PluginError: a name is refused (see :func:`validate_module_name`).
@@ -102,7 +132,16 @@ def custom_module_names(module: str | Sequence[str] | None) -> list[str]:
     if module is None:
         return []
     modules = [module] if isinstance(module, str) else list(module)
-    return [validate_module_name(name) for name in modules]
+    return [validate_module_name(name, trusted=trusted) for name in modules]
+
+
+def trusted_module_prefixes() -> list[str] | None:
+    """The module prefixes ``WEIGHTSYNC_TRUSTED_MODULES`` allows in this process's
+    environment, or None where it is unset or empty (every module allowed)."""
+    raw = os.environ.get(TRUSTED_MODULES_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def load_class(
@@ -132,13 +171,6 @@ def load_class(
             f"{base.__module__}.{base.__qualname__}"
         )
     return obj
-
-
-def _trusted_prefixes() -> list[str] | None:
-    raw = os.environ.get(TRUSTED_MODULES_ENV)
-    if raw is None or not raw.strip():
-        return None
-    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def _import(name: str, setting: str):

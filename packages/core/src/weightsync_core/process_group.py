@@ -8,6 +8,7 @@ group from that store.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import socket
 import sys
@@ -58,18 +59,49 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-def check_bind_host(host: str) -> str:
-    """``host``, unless it is a wildcard (every interface): a weight-sync listener binds to
-    one address only.
+def check_bind_host(host: str, setting: str | None = None) -> str:
+    """``host``, if a weight-sync listener of this process can bind it: one address (never a
+    wildcard such as ``0.0.0.0``) that belongs to this machine, checked by binding a
+    throwaway socket to ``(host, 0)``. Call it in the process that will bind ``host`` (where
+    the engine is built, where a listener is created), never on a driver that only checks a
+    configuration: an address of a worker's machine is not one of the driver's.
+
+    Args:
+        host: the address to bind.
+        setting: where ``host`` came from, for the error (e.g. ``"backend 'gloo': option
+            'host' (engine_kwargs['gloo']['host'])"``); default: the engine's ``host``
+            option or ``WEIGHTSYNC_HOST``.
 
     Raises:
-        ValueError: naming the setting to fix.
+        ValueError: naming the setting, the value, what is accepted and how to fix it.
     """
+    given = setting or f"the weight-sync host (the engine's 'host' option, or {HOST_ENV})"
+    fix = (
+        f"set the engine's host option (engine_kwargs[<backend>]['host']) or {HOST_ENV} to "
+        "this process's address on the cluster network, or leave both unset to use the Ray "
+        "node's IP address"
+    )
     if host in ("0.0.0.0", "::", "*", ""):
         raise ValueError(
-            f"a weight-sync listener binds to one address, not {host!r}: set the engine's host "
-            f"(or {HOST_ENV}) to this process's address on the cluster network"
+            f"{given}: a weight-sync listener binds to one address of this machine, not "
+            f"{host!r} (a wildcard: every interface); {fix}"
         )
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        reason = ("no network interface of this machine holds that address (EADDRNOTAVAIL)"
+                  if exc.errno == errno.EADDRNOTAVAIL else f"{type(exc).__name__}: {exc}")
+        ray = sys.modules.get("ray")
+        node = (f", or this Ray node's {ray.util.get_node_ip_address()}"
+                if ray is not None and ray.is_initialized() else "")
+        raise ValueError(
+            f"{given} is {host!r}, which this machine ({socket.gethostname()}) cannot bind: "
+            f"{reason}. Accepted: an address of one of this machine's network interfaces "
+            f"(e.g. 127.0.0.1{node}); {fix}"
+        ) from exc
     return host
 
 

@@ -100,6 +100,16 @@ class SyncStages:
             f"{type(exc).__name__}: {exc}", stage=stage,
         )
 
+    def blame(self, stage: str, process: str, what: str) -> SyncStageError:
+        """A failure of ``stage`` that the driver pins on ``process`` (``"rollout rank 1
+        (replica 0, worker 1)"``), saying ``what`` it did; its host is named when known."""
+        host = self.hosts.get(process)
+        return SyncStageError(
+            f"weight sync ({self.backend}) failed at stage {stage!r}: {process} {what}"
+            + (f". {process} runs on host {host}" if host else ""),
+            stage=stage, worker=process, host=host,
+        )
+
     async def _run_calls(
         self, stage: str, calls: Calls, deadline: float, probe: Callable[[], Calls] | None
     ) -> list[Any]:

@@ -15,18 +15,125 @@ bucket to rollout worker 1 while its own server reads it, and so on down the rin
 
 The builders take the sizes an engine's ``build_topology`` gets (verl's signature) and check
 them once as a :class:`~weightsync_core.sync_layout.SyncLayout`, which also splits the
-metadata per side and names the peers.
+metadata per side and names the peers. They check every process's metadata before reading
+it (:func:`check_metadata`): a process whose ``prepare()`` returned something else than its
+engine does (not a dict, a key missing, a value of the wrong kind) is named in a
+:class:`~weightsync_core.errors.MetadataError`, never met as a bare ``KeyError``.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync_core.errors import MetadataError
 from weightsync_core.sync_layout import SyncLayout
 
-__all__ = ["BroadcastGroup", "broadcast_topology", "plan_broadcast_groups", "ring_topology"]
+__all__ = [
+    "BroadcastGroup",
+    "MetadataField",
+    "broadcast_topology",
+    "check_metadata",
+    "plan_broadcast_groups",
+    "ring_topology",
+]
+
+
+@dataclass(frozen=True)
+class MetadataField:
+    """What one key of a process's metadata must hold.
+
+    Attributes:
+        accepts: whether a value is acceptable.
+        words: what is accepted, in words (``"a non-empty string"``).
+        optional: the key may be missing.
+    """
+
+    accepts: Callable[[Any], bool]
+    words: str
+    optional: bool = False
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _is_port(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_group(value: Any) -> bool:
+    return value is None or (isinstance(value, Mapping) and _is_port(value.get("port"))
+                             and "members" in value)
+
+
+TEXT = MetadataField(_is_text, "a non-empty string")
+PORT = MetadataField(_is_port, "a port number (an integer from 1 to 65535)")
+BROADCAST_METADATA: Mapping[str, MetadataField] = {
+    "host": TEXT,
+    "port": PORT,
+    "member": TEXT,
+    "group": MetadataField(_is_group, "None or a group ({'port': ..., 'members': [...]})",
+                           optional=True),
+    "senders": MetadataField(_is_count, "an integer >= 1", optional=True),
+}
+"""What each process's metadata holds for :func:`broadcast_topology`."""
+RING_METADATA: Mapping[str, MetadataField] = {"endpoint": TEXT}
+"""What each process's metadata holds for :func:`ring_topology`."""
+
+
+def _peer_name(layout: SyncLayout, index: int) -> str:
+    """The engines' name of the process at ``index`` of the metadata."""
+    if index < layout.actor_ranks:
+        return layout.actor_peer_name(index)
+    return layout.rollout_peer_name(index - layout.actor_ranks)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to a length an error message can carry."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _metadata_problem(entry: Any, fields: Mapping[str, MetadataField]) -> str | None:
+    """What is wrong with one process's metadata, as "returned metadata <problem>", or
+    None."""
+    if not isinstance(entry, Mapping):
+        return f"that is not a dict but {type(entry).__name__} {_short(entry)}"
+    for key, field in fields.items():
+        if key not in entry:
+            if not field.optional:
+                return f"without {key!r} (it holds {', '.join(map(repr, entry)) or 'nothing'})"
+        elif not field.accepts(entry[key]):
+            return f"whose {key!r} is {_short(entry[key])}, not {field.words}"
+    return None
+
+
+def check_metadata(
+    layout: SyncLayout, metadata: Sequence[Any], fields: Mapping[str, MetadataField]
+) -> None:
+    """Check that every process's ``prepare()`` metadata (actor ranks first, then the
+    rollout workers of ``layout``) is a dict holding ``fields``.
+
+    Raises:
+        MetadataError: naming the first process whose metadata is wrong (its ``index``),
+            what is wrong and what it returned.
+    """
+    for index, entry in enumerate(metadata):
+        problem = _metadata_problem(entry, fields)
+        if problem is not None:
+            raise MetadataError(
+                f"{_peer_name(layout, index)} returned metadata {problem} from prepare(); "
+                "every process of the sync must run the same engine, whose prepare() "
+                f"returns {', '.join(fields)}",
+                index=index, problem=problem,
+            )
 
 
 @dataclass(frozen=True)
@@ -94,9 +201,13 @@ def broadcast_topology(
 
     ``metadata`` entries carry ``host``, ``port``, ``member`` (a unique id), ``group`` (the
     intact group the process holds, or None) and, on actor ranks, ``senders``.
+
+    Raises:
+        MetadataError: a process's metadata is not that (naming the process).
     """
     layout = _layout("broadcast", actor_wg_world_size, rollout_world_size)
     actor_meta, rollout_meta = layout.split(metadata)
+    check_metadata(layout, metadata, BROADCAST_METADATA)
     groups = plan_broadcast_groups(
         actor_meta, layout.rollout_world_size, actor_meta[0].get("senders", 1)
     )
@@ -133,9 +244,13 @@ def ring_topology(
     ``metadata`` entries carry ``endpoint`` (the control-channel address). Every process
     gets its ``position``, the ``sync_id`` of this sync, and the endpoint and name of its
     ``upstream`` and ``downstream`` neighbours (``None`` at the ends of the ring).
+
+    Raises:
+        MetadataError: a process's metadata holds no ``endpoint`` (naming the process).
     """
     layout = _layout("ring", actor_wg_world_size, rollout_world_size)
     actor_meta, rollout_meta = layout.split(metadata)
+    check_metadata(layout, metadata, RING_METADATA)
     sync_id = uuid.uuid4().hex
     chain = [actor_meta[0]["endpoint"]] + [m["endpoint"] for m in rollout_meta]
     names = [layout.actor_peer_name(0)] + [

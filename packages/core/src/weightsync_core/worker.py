@@ -21,12 +21,19 @@ from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
+from weightsync_core.options import parse_options
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import ServerAdapter
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.verification import ManifestGuard
 
-__all__ = ["ActorCheckpointEngineMixin", "CheckpointEngineWorker", "build_engine", "close_engine"]
+__all__ = [
+    "ActorCheckpointEngineMixin",
+    "CheckpointEngineWorker",
+    "build_engine",
+    "check_on_this_machine",
+    "close_engine",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +44,23 @@ AdapterT = TypeVar("AdapterT")
 
 
 def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
-    """Import ``custom_backend_module`` in this process, then build the configured engine.
+    """Import ``custom_backend_module`` in this process (under the operator's allowlist,
+    this process's and the one the config carries from the driver), check what depends on
+    this machine, then build the configured engine.
 
     ``rollout_dtype`` (when set), ``verify`` and ``timeout`` go to engines whose constructor
     takes them; an engine written for verl, which knows none of them, gets only
-    ``bucket_size`` and its ``engine_kwargs``."""
-    load_custom_backend_module(config.custom_backend_module)
+    ``bucket_size`` and its ``engine_kwargs``.
+
+    Raises:
+        PluginError: a ``custom_backend_module`` refused or not loadable.
+        EngineOptionsError: an option this machine cannot honour (a ``host`` that is no
+            address of it, see :meth:`~weightsync_core.options.EngineOptions.check_local`).
+        ValueError: buckets that cannot fit in this machine's memory.
+    """
+    load_custom_backend_module(config.custom_backend_module, config.trusted_modules)
     engine_cls = CheckpointEngineRegistry.get(config.backend)
+    check_on_this_machine(engine_cls, config)
     options = {"verify": config.verify, "timeout": config.sync_timeout_seconds}
     if config.rollout_dtype is not None:
         options["rollout_dtype"] = config.rollout_dtype
@@ -52,6 +69,26 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
         **_accepted(engine_cls, options),
         **config.active_engine_kwargs,
     )
+
+
+def check_on_this_machine(
+    engine_cls: type[CheckpointEngine], config: CheckpointEngineConfig
+) -> None:
+    """What the driver cannot check for this process, checked in it before its engine is
+    built (before any byte moves): that the address it binds is one of this machine's
+    (its options' :meth:`~weightsync_core.options.EngineOptions.check_local`) and that its
+    buckets fit in this machine's memory
+    (:meth:`~weightsync_core.config.CheckpointEngineConfig.check_bucket_memory`). An
+    engine written for verl (no typed options) has its buckets checked only.
+
+    Raises:
+        EngineOptionsError: the address cannot be bound here.
+        ValueError: the buckets cannot fit here.
+    """
+    if engine_cls.declares_options():
+        parse_options(engine_cls.options_class, config.backend,
+                      config.active_engine_kwargs).check_local(config.backend)
+    config.check_bucket_memory(engine_cls)
 
 
 def close_engine(engine: Any) -> None:
