@@ -1,66 +1,44 @@
 """weightsync's commands beside a Ray cluster that a user runs on the machine (``ray start
---head``): without ``RAY_ADDRESS`` they start a private instance of their own; with it they
-connect to that cluster. Each command runs in a process of its own."""
+--head``): without ``RAY_ADDRESS`` or ``--address`` they start a private instance of their own;
+with either they connect to that cluster. Each command runs in a process of its own."""
 
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from weightsync_core.local_ray import CONNECT_SECONDS
+from weightsync_core.testing import user_ray_cluster
+
 BIN = Path(sys.executable).parent
 WHICH_CLUSTER = ("import ray; from weightsync_core import ensure_ray; ensure_ray(); "
                  "print(ray.get_runtime_context().gcs_address)")
 """Prints the GCS address of the cluster ``ensure_ray`` reached (the head reports its node's
 address, whichever address it was reached by: compare ports)."""
-BENCH = [str(BIN / "weightsync"), "bench", "gloo", "--size-mb", "4", "--tensors", "4",
-         "--repeats", "1", "--receivers", "1"]
+AFTER_COMMAND = ("import sys, ray; from weightsync_core.cli import main; status = "
+                 "main(sys.argv[1:]); print(ray.get_runtime_context().gcs_address); "
+                 "sys.exit(status)")
+"""Runs ``weightsync ARGS`` in this process, then prints the GCS address of the cluster the
+command reached, as :data:`WHICH_CLUSTER` does."""
+BENCH_ARGS = ["bench", "gloo", "--size-mb", "4", "--tensors", "4", "--repeats", "1",
+              "--receivers", "1"]
+BENCH = [str(BIN / "weightsync"), *BENCH_ARGS]
 
 
 def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def user_cluster() -> Iterator[str]:
-    """A one-CPU ``ray start --head --block`` in a session of its own; its GCS address on
-    loopback. Killed with its whole process group (``ray stop`` would stop every Ray on the
-    machine)."""
-    port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rayhead-")  # short: Ray's socket paths must fit
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
-         "--node-ip-address=127.0.0.1", "--include-dashboard=false",
-         f"--temp-dir={temp_dir}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while subprocess.run([str(BIN / "ray"), "status", f"--address={address}"], env=env,
-                             capture_output=True).returncode != 0:
-            assert head.poll() is None, "ray start --head exited"
-            assert time.monotonic() < deadline, "ray start --head did not come up"
-            time.sleep(1)
+    """A one-CPU ``ray start --head`` on loopback; its GCS address."""
+    with user_ray_cluster(num_cpus=1) as address:
         yield address
-    finally:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait(30)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _run(args: list[str], ray_address: str | None) -> subprocess.CompletedProcess[str]:
@@ -86,3 +64,35 @@ def test_with_ray_address_a_command_connects_to_the_users_cluster(user_cluster):
 
     bench = _run(BENCH, user_cluster)
     assert bench.returncode == 0, bench.stderr[-2000:]
+
+
+def test_with_address_a_command_connects_to_the_users_cluster(user_cluster):
+    bench = _run([sys.executable, "-c", AFTER_COMMAND, *BENCH_ARGS, "--address", user_cluster],
+                 None)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert _port(bench.stdout.split()[-1]) == _port(user_cluster)
+
+
+def test_plan_measure_without_an_address_does_not_join_the_users_cluster(user_cluster):
+    # a private instance is one node: no NIC to probe, said in one line
+    plan = _run([sys.executable, "-c", AFTER_COMMAND, "plan", "--measure", "--model-gb", "1"],
+                None)
+    assert plan.returncode == 2, plan.stderr[-2000:]
+    assert "needs a Ray cluster of at least two nodes" in plan.stderr
+    assert _port(plan.stdout.split()[-1]) != _port(user_cluster)
+
+
+@pytest.mark.parametrize("command", [BENCH_ARGS, ["compare", "gloo", "--size-mb", "4"]])
+def test_an_unreachable_address_fails_in_seconds_with_one_line(command):
+    with socket.socket() as held:  # bound, not listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{held.getsockname()[1]}"
+        start = time.monotonic()
+        result = _run([str(BIN / "weightsync"), *command, "--address", closed], None)
+        seconds = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert seconds < CONNECT_SECONDS + 20, seconds  # interpreter and imports included
+    assert result.stderr.strip().splitlines() == [
+        f"weightsync {command[0]}: no Ray cluster answers at {closed}: Connection refused "
+        f"(waited at most {CONNECT_SECONDS:.0f} s)"
+    ]

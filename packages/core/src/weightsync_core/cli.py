@@ -35,12 +35,28 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connect(command: str, address: str | None) -> bool:
+    """Ray for ``command``: the cluster at ``address`` (default: ``RAY_ADDRESS``), else a
+    private local instance; ``False``, after a one-line error, if that cluster cannot be
+    reached (within :data:`~weightsync_core.local_ray.CONNECT_SECONDS` for ``HOST:PORT``)."""
+    from weightsync_core.local_ray import ensure_ray
+
+    try:
+        ensure_ray(address=address)
+    except ConnectionError as exc:
+        print(f"weightsync {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _bench(args: argparse.Namespace) -> int:
     common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
               "repeats": args.repeats, "verify": not args.no_verify}
     if args.backend == "gloo":
         from weightsync_core.bench.gloo import run_gloo_benchmark
 
+        if not _connect("bench", args.address):
+            return 1
         result = run_gloo_benchmark(
             receivers=args.receivers or 2, bucket_megabytes=args.bucket_mb or 256, **common
         )
@@ -53,6 +69,8 @@ def _bench(args: argparse.Namespace) -> int:
                   "(nixl, mooncake); compare it with others: weightsync compare "
                   f"{args.backend} gloo", file=sys.stderr)
             return 2
+        if not _connect("bench", args.address):
+            return 1
         result = run_ring_benchmark(
             args.backend, json.loads(args.engine_kwargs), receivers=args.receivers or 3,
             bucket_megabytes=args.bucket_mb or 64, **common,
@@ -73,6 +91,8 @@ def _compare(args: argparse.Namespace) -> int:
         name, _, value = option.partition("=")
         kwargs[name] = json.loads(value)
     replicas = tuple(int(size) for size in args.replicas.split(","))
+    if not _connect("compare", args.address):
+        return 1
     rows = run_comparison(
         [(name, kwargs.get(name, {})) for name in args.backends], args.actors, replicas,
         args.size_mb, args.bucket_mb, args.tensors, args.repeats, not args.no_verify,
@@ -92,6 +112,9 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"weightsync plan: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:  # --measure: the cluster cannot be reached
+        print(f"weightsync plan: {exc}", file=sys.stderr)
+        return 1
 
 
 def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
@@ -102,12 +125,10 @@ def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
     intra = Link(args.intra_gbyte * 1e9, args.intra_latency_us * 1e-6)
     if not args.measure:
         return nic, intra
-    import ray
-
+    from weightsync_core.local_ray import ensure_ray
     from weightsync_core.plan.probe import measure_cluster_links
 
-    if not ray.is_initialized():
-        ray.init(address=args.address)
+    ensure_ray(address=args.address)
     nic, loopback = measure_cluster_links()
     print(f"measured: NIC {nic.bandwidth * 8 / 1e9:.3f} Gbit/s, {nic.latency * 1e6:.0f} us"
           f"; loopback {loopback.bandwidth / 1e9:.2f} GB/s"
@@ -140,6 +161,13 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
     print(f"recommended: {best.prediction.backend} ({best.prediction.option}), "
           f"bound by {best.prediction.bound}")
     return 0
+
+
+_ADDRESS_HELP = (
+    "Ray cluster to connect to: HOST:PORT (one that refuses or cannot be reached fails in "
+    "seconds), or auto (the one `ray start` started on this machine); default: RAY_ADDRESS, "
+    "else a private local instance beside any cluster running on the machine"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
+    bench.add_argument("--address", help=_ADDRESS_HELP)
     bench.set_defaults(run=_bench)
     compare = commands.add_parser(
         "compare", help="several backends on the same deployment and bytes, in one run"
@@ -191,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--kwargs", action="append", default=[], metavar="BACKEND=JSON",
                          help="engine keyword arguments of one backend (repeatable)")
     compare.add_argument("--json-out", help="also write the rows as JSON to this file")
+    compare.add_argument("--address", help=_ADDRESS_HELP)
     compare.set_defaults(run=_compare)
     _add_plan_parser(commands)
     return parser
@@ -224,7 +254,8 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--measure", action="store_true",
                       help="probe the NIC and intra-host figures of the Ray cluster at "
                       "--address instead of --nic-*/--intra-* (TCP between two nodes)")
-    plan.add_argument("--address", default="auto", help="Ray cluster for --measure")
+    plan.add_argument("--address", help=f"{_ADDRESS_HELP}; --measure only (a private "
+                      "instance is one node: no NIC to probe)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(run=_plan)
 

@@ -4,17 +4,37 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 from ray._private import ray_constants
 
 from weightsync_core.process_group import HOST_ENV
 
-__all__ = ["ensure_ray"]
+__all__ = ["CONNECT_SECONDS", "ensure_ray"]
 
 _UV_HOOK_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 _ADDRESS_ENV = "RAY_ADDRESS"
 """The running cluster to connect to (Ray's own variable)."""
+CONNECT_SECONDS = 10.0
+"""How long :func:`ensure_ray` waits for a cluster's ``HOST:PORT`` to accept a TCP connection
+before it gives up (Ray itself would retry an unreachable address for many minutes)."""
+
+
+def _check_reachable(address: str) -> None:
+    """Raise :class:`ConnectionError` within :data:`CONNECT_SECONDS` unless something
+    accepts TCP connections at ``address`` (``HOST:PORT``, ``[IPv6]:PORT``); other forms
+    (``auto``, ``ray://...``) are left to Ray."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ConnectionError(
+            f"no Ray cluster answers at {address}: {reason} (waited at most "
+            f"{CONNECT_SECONDS:.0f} s)") from exc
 
 
 def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None,
@@ -31,6 +51,12 @@ def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None,
 
     Workers get ``env_vars`` too. Ray's uv run-time hook is disabled so workers start from the
     current venv.
+
+    Raises:
+        ConnectionError: nothing accepts a TCP connection at a ``HOST:PORT`` address within
+            :data:`CONNECT_SECONDS` (refused at once, or an unreachable host), or Ray finds
+            no cluster for ``auto``. An address that accepts TCP but is not a Ray cluster
+            is left to Ray's own retries.
     """
     if ray.is_initialized():
         return
@@ -40,6 +66,7 @@ def ensure_ray(num_cpus: int = 2, env_vars: dict[str, str] | None = None,
     address = address or os.environ.get(_ADDRESS_ENV) or "local"
     worker_env = {_UV_HOOK_ENV: "0", **(env_vars or {})}
     if address != "local":
+        _check_reachable(address)
         ray.init(address=address, runtime_env={"env_vars": worker_env},
                  logging_level=logging.WARNING)
         return

@@ -46,9 +46,17 @@ def _output_dir(config: ExperimentConfig) -> Path:
 
 
 def _start_ray(config: ExperimentConfig) -> None:
+    """Connect to ``trainer.ray_address`` (else ``RAY_ADDRESS``), else start a private local
+    Ray instance of ``trainer.ray_num_cpus`` CPUs, beside any cluster on the machine.
+
+    Raises:
+        ConnectionError: the cluster asked for cannot be reached (a ``HOST:PORT`` that
+            refuses or does not answer: within ``weightsync_core.local_ray.CONNECT_SECONDS``).
+    """
     from weightsync_core import ensure_ray
 
-    ensure_ray(num_cpus=config.trainer.ray_num_cpus or os.cpu_count() or 1)
+    ensure_ray(num_cpus=config.trainer.ray_num_cpus or os.cpu_count() or 1,
+               address=config.trainer.ray_address)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # loads the custom backend module and manager class: bad names fail before Ray starts
         runner.trainer = runner.build_trainer()
-        _start_ray(config)
+        try:
+            _start_ray(config)
+        except ConnectionError as exc:  # the cluster asked for cannot be reached
+            print(f"weightsync-train: {exc}", file=sys.stderr)
+            return 1
         print("starting workers and syncing the initial weights...", flush=True)
         started = time.perf_counter()
         run_sync(runner.trainer.init_workers())

@@ -208,6 +208,10 @@ class TrainerConfig:
             (``None``: ``outputs/<timestamp>``).
         torch_threads: intra-op threads per worker process (keep the total within the cores).
         ray_num_cpus: CPUs of the local Ray instance the CLI starts (``None``: all).
+        ray_address: a running Ray cluster for the CLI to connect to (``HOST:PORT``, or
+            ``auto``: the one ``ray start`` started on this machine); ``None``: the
+            ``RAY_ADDRESS`` environment variable, else a private local instance (beside any
+            cluster running on the machine).
     """
 
     total_steps: int = 30
@@ -216,6 +220,7 @@ class TrainerConfig:
     output_dir: str | None = None
     torch_threads: int = 1
     ray_num_cpus: int | None = None
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         _positive("trainer", total_steps=self.total_steps,
