@@ -13,19 +13,25 @@ from weightsync_core.process_group import (
     rendezvous,
     reserve_port,
 )
+from weightsync_core.wire import new_session_key
 
 NOT_HERE = "192.0.2.1"
 """An address no machine holds (TEST-NET-1, reserved for documentation by RFC 5737)."""
+
+
+KEY = new_session_key()
 
 
 def test_rendezvous_names_the_missing_ranks():
     listener = listen_on_free_port("127.0.0.1")
     port = listener.getsockname()[1]
     errors = {}
+    stores = []
 
     def join(rank):
+        store = create_store("127.0.0.1", port, rank, 4, 2.0, "test", KEY, listener)
+        stores.append(store)
         try:
-            store = create_store("127.0.0.1", port, rank, 4, 2.0, "test", listener)
             rendezvous(store, rank, 4, 2.0)
         except GroupInitTimeoutError as exc:
             errors[rank] = exc
@@ -41,24 +47,29 @@ def test_rendezvous_names_the_missing_ranks():
     assert set(errors) == {0, 2}
     assert errors[0].missing_ranks == [1, 3]
     assert "rank(s) [1, 3] never arrived" in str(errors[0])
+    for store in stores:
+        store.close()
 
 
 def test_unreachable_master_is_reported_as_rank_zero_missing():
     with reserve_port("127.0.0.1") as unused, pytest.raises(
         GroupInitTimeoutError, match="rank 0 never arrived"
     ) as info:
-        create_store("127.0.0.1", unused.getsockname()[1], 1, 2, 1.0, "test")
+        store = create_store("127.0.0.1", unused.getsockname()[1], 1, 2, 1.0, "test", KEY)
+        rendezvous(store, 1, 2, 1.0)
     assert info.value.missing_ranks == [0]
 
 
-def test_store_listens_on_the_configured_host_only():
+def test_store_listens_on_the_configured_host_only_and_closes():
     listener = listen_on_free_port("127.0.0.1")
     port = listener.getsockname()[1]
-    store = create_store("127.0.0.1", port, 0, 1, 2.0, "test", listener)
-    store.set("key", "value")
+    store = create_store("127.0.0.1", port, 0, 1, 2.0, "test", KEY, listener)
+    store.store.set("key", "value")
+    assert store.store.get("key") == b"value"
     listening = _listening_addresses(port)
     assert listening == {"127.0.0.1"}, listening
-    del store
+    store.close()
+    assert not _listening_addresses(port)
 
 
 def test_wildcard_hosts_are_refused():

@@ -39,7 +39,7 @@ import zmq.asyncio
 from weightsync_core.errors import MalformedMessageError, UnauthenticatedMessageError
 from weightsync_core.process_group import check_bind_host, default_host
 from weightsync_core.transport import PeerTransport
-from weightsync_core.wire import MessageCodec, MessageSealer
+from weightsync_core.wire import MessageCodec, MessageSealer, worth_logging
 
 __all__ = [
     "HANDSHAKE_SECONDS",
@@ -217,7 +217,7 @@ class ControlChannel(Generic[M]):
         inflow = self._inflows.setdefault(envelope.sender, _Inflow())
         if envelope.seq != inflow.next_seq:
             self.replayed += 1
-            if _worth_logging(self.replayed):
+            if worth_logging(self.replayed):
                 logger.warning(
                     "control channel %s dropped frame %d from %s, expecting frame %d: a "
                     "replay or duplicate (%d dropped so far)", self.endpoint, envelope.seq,
@@ -239,7 +239,7 @@ class ControlChannel(Generic[M]):
 
     def _drop(self, exc: Exception) -> None:
         self.rejected += 1
-        if _worth_logging(self.rejected):
+        if worth_logging(self.rejected):
             logger.warning(
                 "control channel %s dropped a message (%d dropped so far): %s",
                 self.endpoint, self.rejected, exc,
@@ -255,13 +255,6 @@ class ControlChannel(Generic[M]):
         self.keep_only(set())
         self._inbox.close(linger=0)
         self._context.term()
-
-
-def _worth_logging(count: int) -> bool:
-    """Log the 1st, 10th, 100th, ... dropped message: visible, but no log flood."""
-    while count % 10 == 0:
-        count //= 10
-    return count == 1
 
 
 class PeerEndpoints(Generic[T, M]):

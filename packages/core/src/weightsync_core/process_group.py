@@ -1,8 +1,8 @@
 """Dedicated weight-sync process groups that never touch the default torch.distributed group.
 
-Each sync builds its own ``TCPStore`` (hosted by rank 0) wrapped in a ``PrefixStore``, checks
-that every rank arrived (naming the ones that did not), then builds the transport's process
-group from that store.
+A group rendezvous through a store only its members can use (served by rank 0,
+:mod:`weightsync_core.sealed_store`) under a ``PrefixStore``, checks that every rank arrived
+(naming the ones that did not), then builds the transport's process group from that store.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import errno
 import os
 import socket
 import sys
-import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from weightsync_core.errors import GroupInitTimeoutError
+from weightsync_core.sealed_store import SealedStore, SealedStoreServer
 
 __all__ = [
     "HOST_ENV",
+    "RendezvousStore",
     "check_bind_host",
     "create_store",
     "default_host",
@@ -117,69 +119,85 @@ def listen_on_free_port(host: str) -> socket.socket:
     return sock
 
 
+@dataclass
+class RendezvousStore:
+    """One rank's hold on a group's rendezvous store.
+
+    Attributes:
+        store: what torch's process groups take (the client, under the group's prefix).
+        client: the rank's :class:`~weightsync_core.sealed_store.SealedStore` (kept here:
+            torch calls back into it for as long as ``store`` is used).
+        prefix: the group's prefix in the store.
+        server: on group rank 0, the server it runs; None elsewhere.
+    """
+
+    store: Store
+    client: SealedStore
+    prefix: str
+    server: SealedStoreServer | None = None
+
+    def missing_after(self, keys: list[str], timeout: float) -> list[str]:
+        """The group's ``keys`` not set within ``timeout`` seconds (one request: see
+        :meth:`weightsync_core.sealed_store.SealedStore.missing_after`)."""
+        missing = self.client.missing_after([f"{self.prefix}/{key}" for key in keys], timeout)
+        return [key.removeprefix(f"{self.prefix}/") for key in missing]
+
+    def close(self) -> None:
+        """Stop the server, if this rank runs it (idempotent)."""
+        if self.server is not None:
+            self.server.close()
+
+
 def create_store(
     host: str, port: int, rank: int, world_size: int, timeout: float, prefix: str,
-    listener: socket.socket | None = None,
-) -> Store:
-    """A ``TCPStore`` hosted by rank 0 at ``host:port``, under ``prefix``.
+    key: bytes, listener: socket.socket | None = None,
+) -> RendezvousStore:
+    """A rendezvous store served by rank 0 at ``host:port`` to the holders of ``key``
+    (:mod:`weightsync_core.sealed_store`), under ``prefix``.
 
     Rank 0 passes ``listener`` (from :func:`listen_on_free_port`, on ``host:port``): its
-    store serves that socket, which listens on ``host`` only (a store left to bind by
-    itself listens on every interface). The store takes the socket over.
+    server takes that socket over, which listens on ``host`` only. ``world_size`` is only
+    checked; :func:`rendezvous` waits for the ranks.
 
     Raises:
-        GroupInitTimeoutError: a non-zero rank could not reach rank 0's store.
+        ValueError: rank 0 without its listener, or a world size below 1.
     """
-    listen_fd: int | None = None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of a group of {world_size}")
+    server = None
     if rank == 0:
         if listener is None:
             raise ValueError("group rank 0 hosts the store: pass the listener from prepare()")
-        listen_fd = listener.detach()
-    try:
-        # torch.distributed re-exports TCPStore (public API) without `as` or `__all__`, so
-        # pyright takes it for a private import.
-        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            host, port, world_size, rank == 0,
-            timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False,
-            master_listen_fd=listen_fd,
-        )
-    except (RuntimeError, dist.DistStoreError) as exc:
-        if rank == 0:
-            raise GroupInitTimeoutError(
-                f"rank 0 could not start the weight-sync store on {host}:{port} ({exc}); the "
-                f"port may have been taken meanwhile, or {host} is not an address of this "
-                f"host (set {HOST_ENV} to one)",
-                missing_ranks=[],
-            ) from exc
-        raise GroupInitTimeoutError(
-            f"rank {rank} could not reach the weight-sync store of rank 0 at {host}:{port} "
-            f"within {timeout:.0f}s ({exc}); rank 0 never arrived or the address is not "
-            f"reachable from this host (set {HOST_ENV} to a reachable address)",
-            missing_ranks=[0],
-        ) from exc
-    return PrefixStore(prefix, store)
+        server = SealedStoreServer(listener, key, timeout)
+    client = SealedStore(host, port, key, timeout)
+    return RendezvousStore(PrefixStore(prefix, client), client, prefix, server)
 
 
-def rendezvous(store: Store, rank: int, world_size: int, timeout: float) -> None:
+def rendezvous(store: RendezvousStore, rank: int, world_size: int, timeout: float) -> None:
     """Wait until all ``world_size`` ranks have checked in on ``store``.
 
     Raises:
-        GroupInitTimeoutError: naming the ranks that never arrived.
+        GroupInitTimeoutError: naming the ranks that never arrived (rank 0, when its store
+            never answered).
     """
-    store.set(f"arrived/{rank}", "1")
     keys = [f"arrived/{peer}" for peer in range(world_size)]
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [peer for peer, key in enumerate(keys) if not store.check([key])]
-            raise GroupInitTimeoutError(
-                f"weight-sync group of {world_size} ranks did not form within {timeout:.0f}s: "
-                f"rank(s) {missing} never arrived (seen from rank {rank})",
-                missing_ranks=missing,
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    try:
+        store.store.set(keys[rank], "1")
+        missing = store.missing_after(keys, timeout)
+    except dist.DistStoreError as exc:
+        raise GroupInitTimeoutError(
+            f"rank {rank} could not use the weight-sync rendezvous store of rank 0 within "
+            f"{timeout:.0f}s ({exc}); rank 0 never arrived or its address is not reachable "
+            f"from this host (set {HOST_ENV} to a reachable address)",
+            missing_ranks=[0],
+        ) from exc
+    if missing:
+        ranks = [keys.index(key) for key in missing]
+        raise GroupInitTimeoutError(
+            f"weight-sync group of {world_size} ranks did not form within {timeout:.0f}s: "
+            f"rank(s) {ranks} never arrived (seen from rank {rank})",
+            missing_ranks=ranks,
+        )
 
 
 def new_gloo_group(

@@ -28,6 +28,7 @@ __all__ = [
     "MessageSealer",
     "check_session_key",
     "new_session_key",
+    "worth_logging",
 ]
 
 SESSION_KEY_BYTES = 32
@@ -97,10 +98,10 @@ class MessageSealer:
             )
         return body
 
-    def derive(self, label: str) -> str:
-        """A hex secret derived from the key for ``label`` (e.g. the rendezvous prefix), so
-        that only members of the sync can name it."""
-        return hmac.digest(self._key, label.encode(), "sha256").hex()[:32]
+    def derive_key(self, label: str) -> bytes:
+        """A key derived from this one for ``label`` (e.g. the rendezvous store's), so that
+        what is sealed for one use is refused by another."""
+        return hmac.digest(self._key, label.encode(), "sha256")
 
 
 def _encode_hook(value: Any) -> Any:
@@ -148,3 +149,11 @@ class MessageCodec(Generic[M]):
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MalformedMessageError(f"malformed control message: {exc}") from exc
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the ``count``-th frame dropped by a listener is worth a log line: the 1st,
+    10th, 100th, ... (visible, but no log flood)."""
+    while count % 10 == 0:
+        count //= 10
+    return count == 1

@@ -32,6 +32,7 @@ from weightsync_core.process_group import (
     new_gloo_group,
     rendezvous,
 )
+from weightsync_core.wire import new_session_key
 
 __all__ = ["BenchmarkResult", "RawBroadcastPeer", "raw_broadcast_group", "raw_broadcasts",
            "run_gloo_benchmark"]
@@ -47,15 +48,17 @@ class RawBroadcastPeer:
         self.listener = listen_on_free_port(host)
         return {"host": host, "port": self.listener.getsockname()[1]}
 
-    def setup(self, rank: int, world_size: int, master: dict[str, Any], nbytes: int) -> None:
-        """Join the raw group and allocate (and touch) the buffer."""
+    def setup(self, rank: int, world_size: int, master: dict[str, Any], nbytes: int,
+              key: bytes) -> None:
+        """Join the raw group (its rendezvous store sealed with ``key``) and allocate (and
+        touch) the buffer."""
         if rank != 0:
             self.listener.close()
-        store = create_store(
-            master["host"], master["port"], rank, world_size, 120, "raw", self.listener
+        self.store = create_store(
+            master["host"], master["port"], rank, world_size, 120, "raw", key, self.listener
         )
-        rendezvous(store, rank, world_size, 120)
-        self.group = new_gloo_group(store, rank, world_size, 120, default_host())
+        rendezvous(self.store, rank, world_size, 120)
+        self.group = new_gloo_group(self.store.store, rank, world_size, 120, default_host())
         fill = 1 if rank == 0 else 0
         self.buffer = torch.full((nbytes,), fill, dtype=torch.uint8)
 
@@ -90,7 +93,8 @@ def raw_broadcast_group(
     peers: list[Any] = [peer.options(num_cpus=0, **options).remote() for options in peer_options]
     try:
         addresses = ray.get([peer.prepare.remote() for peer in peers])
-        ray.get([peer.setup.remote(rank, len(peers), addresses[0], nbytes)
+        key = new_session_key()
+        ray.get([peer.setup.remote(rank, len(peers), addresses[0], nbytes, key)
                  for rank, peer in enumerate(peers)])
         yield peers
     finally:

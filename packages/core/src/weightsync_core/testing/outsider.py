@@ -2,9 +2,9 @@
 session key, that throws what an attacker would at every port an engine listens on.
 
 Run it as ``python -m weightsync_core.testing.outsider HOST PORTS MARKER SECONDS``; it prints
-``ready`` once it has attacked every port, then keeps going, and prints a JSON report when
-it is done (or when it gets SIGTERM). Every payload that reaches a decoder able to run code
-creates the file ``MARKER``; the test asserts it never appears.
+``ready`` once it has attacked every port, then ``round N`` after each further round, and a
+JSON report when it is done (or when it gets SIGTERM). Every payload that reaches a decoder
+able to run code creates the file ``MARKER``; the test asserts it never appears.
 """
 
 from __future__ import annotations
@@ -76,12 +76,14 @@ class _Probe(TypedDict, total=False):
     """The port spoke the TCPStore protocol."""
     keys_found: list[str]
     """Rendezvous keys it let the outsider read."""
+    listed: list[str]
+    """Keys it listed to the outsider."""
 
 
 def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
-    """Join ``port`` as a TCPStore client; try to read rendezvous state (keys it did not
-    write itself: ``written``) and to claim every rank. A port that is no store may never
-    answer the client's handshake: given up after 2 s."""
+    """Join ``port`` as a TCPStore client; try to list and read rendezvous state (keys it
+    did not write itself: ``written``) and to claim every rank. A port that is no store may
+    never answer the client's handshake: given up after 2 s."""
     result: _Probe = {}
 
     def probe() -> None:
@@ -90,21 +92,22 @@ def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
         try:
             # public API, but torch.distributed re-exports it without ``__all__``/``as``
             store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                host, port, is_master=False, timeout=datetime.timedelta(seconds=1),
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=4),
                 wait_for_workers=False,
             )
         except Exception:  # not a store
             return
+        listed = [key for key in _quiet(store.list_keys) or [] if key not in written]
         found = [key for key in _GUESSED_KEYS
                  if key not in written and _quiet(store.check, [key])]
         for rank in range(4):  # claim every rank (a write may land: it costs nothing to try)
             written.add(f"weightsync/arrived/{rank}")
             _quiet(store.set, f"weightsync/arrived/{rank}", "1")
-        result.update(store=True, keys_found=found)
+        result.update(store=True, keys_found=found, listed=listed)
 
     worker = threading.Thread(target=probe, daemon=True)
     worker.start()
-    worker.join(2.0)
+    worker.join(5.0)
     return result.copy()
 
 
@@ -130,14 +133,15 @@ def attack(
 ) -> dict[str, object]:
     """Attack every port in rounds for ``seconds`` (or until ``stop["now"]``), the ports of
     a round at once (a port that is no store holds its probe for up to 2 s); returns what
-    was learned: ``stores`` (ports that spoke the TCPStore protocol) and ``keys_found``
-    (rendezvous keys the outsider could read)."""
+    was learned: ``stores`` (ports that spoke the TCPStore protocol), ``listed`` (keys they
+    listed) and ``keys_found`` (rendezvous keys the outsider could read)."""
     import zmq
 
     context = zmq.Context()
     rounds = 0
     stores: list[int] = []
     keys_found: list[str] = []
+    listed: list[str] = []
     written: dict[int, set[str]] = {port: set() for port in ports}
     deadline = time.monotonic() + seconds
     try:
@@ -151,12 +155,12 @@ def attack(
                     if probe.get("store") and port not in stores:
                         stores.append(port)
                     keys_found += probe.get("keys_found", [])
+                    listed += [key for key in probe.get("listed", []) if key not in listed]
                 rounds += 1
-                if rounds == 1:
-                    print("ready", flush=True)
+                print("ready" if rounds == 1 else f"round {rounds}", flush=True)
     finally:
         context.term()
-    return {"rounds": rounds, "stores": stores, "keys_found": keys_found}
+    return {"rounds": rounds, "stores": stores, "keys_found": keys_found, "listed": listed}
 
 
 if __name__ == "__main__":

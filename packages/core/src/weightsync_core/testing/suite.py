@@ -600,6 +600,9 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 expected = harness.set_weights(seed=step)
                 manager.update_weights_sync(global_steps=step)
                 self.assert_delivered(harness, expected)
+            # two whole rounds on the group kept between syncs
+            rounds = [outsider.stdout.readline().strip() for _ in range(2)]
+            assert all(line.startswith("round") for line in rounds), rounds
         finally:
             outsider.send_signal(signal.SIGTERM)
             output, _ = outsider.communicate(timeout=60)
@@ -607,6 +610,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         assert report["rounds"] >= 1
         assert not marker.exists(), "a payload from the outsider ran in an engine process"
         assert report["keys_found"] == [], report
+        assert report["listed"] == [], f"a rendezvous store listed its keys: {report}"
+        assert report["stores"] == [], f"a port served the outsider a store: {report}"
 
     def test_soak_keeps_resources_flat_and_close_frees_every_port(self) -> None:
         # a deployment of its own: waits of earlier failed syncs may still hold sockets of

@@ -1,9 +1,10 @@
 """The broadcast group's lifecycle: the port reserved in ``prepare``, the rendezvous that
 builds the communicators, their reuse by a later sync with the same members, and teardown.
 
-The group's rendezvous store listens on the configured host only, and every key lives under
-a prefix derived from the session key: a process outside the sync can neither read the
-members' addresses nor claim a rank.
+The group's rendezvous store listens on the configured host only and answers only requests
+sealed under the sync's key (:mod:`weightsync_core.sealed_store`): a process outside the sync
+can neither list nor read the members' addresses, nor write a key or claim a rank, during
+the sync or while the group is kept for later ones.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.distributed_c10d import BroadcastOptions, PrefixStore, St
 
 from weightsync_core.errors import WeightSyncError
 from weightsync_core.process_group import (
+    RendezvousStore,
     create_store,
     listen_on_free_port,
     new_gloo_group,
@@ -50,7 +52,7 @@ class BroadcastGroup:
 
     control: Collective
     data: Collective
-    store: Store
+    store: RendezvousStore
     sender: str
     sealer: MessageSealer
     """Seals and opens this sync's metadata (the group may outlive a sync; the key not)."""
@@ -115,24 +117,31 @@ class GroupLifecycle:
         if rank != 0 and listener is not None:
             listener.close()
             listener = None
-        store = create_store(
+        rendezvous_store = create_store(
             master_metadata["host"], master_metadata["port"], rank, world_size,
-            self.init_timeout, f"{self.group_name}/{sealer.derive('rendezvous')}",
+            self.init_timeout, self.group_name, sealer.derive_key("rendezvous store"),
             listener=listener,
         )
-        rendezvous(store, rank, world_size, self.init_timeout)
-        control = cast(Collective, new_gloo_group(
-            PrefixStore("control", store), rank, world_size, timeout, host
-        ))
-        data = new_data_group(PrefixStore("data", store), rank, world_size, control)
+        try:
+            rendezvous(rendezvous_store, rank, world_size, self.init_timeout)
+            store = rendezvous_store.store
+            control = cast(Collective, new_gloo_group(
+                PrefixStore("control", store), rank, world_size, timeout, host
+            ))
+            data = new_data_group(PrefixStore("data", store), rank, world_size, control)
+        except BaseException:
+            rendezvous_store.close()
+            raise
         sender = f"actor rank {master_metadata.get('sender', 0)}"
-        self.group = BroadcastGroup(control, data, store, sender, sealer)
+        self.group = BroadcastGroup(control, data, rendezvous_store, sender, sealer)
         self.key = {"port": master_metadata["port"], "members": members}
 
     def destroy(self) -> None:
         """Drop the group."""
         group, self.group = self.group, None
         self.key = None
+        if group is not None:
+            group.store.close()
         # Dropping the communicators last: their destructors may wait for transfers still in
         # flight after a failure, and by then the engine's state is already clean.
         del group
