@@ -202,8 +202,11 @@ class ControlChannel(Generic[M]):
             except (UnauthenticatedMessageError, MalformedMessageError, RuntimeError) as exc:
                 if MessageSealer.key_id_of(frame) in self._retired:
                     self.stale += 1  # sealed under an earlier sync's key: a late message
-                    continue
-                self._drop(exc)
+                else:
+                    self._drop(exc)
+            # A frame already queued completes the receive at once, without yielding: under
+            # a flood of junk this loop would never let the event loop run anything else.
+            await asyncio.sleep(0)
 
     def _take(self, frame: bytes) -> bytes | None:
         """Authenticate ``frame`` and add it to its sender's message; returns the message's

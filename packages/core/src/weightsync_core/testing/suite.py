@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -612,6 +613,57 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         assert report["keys_found"] == [], report
         assert report["listed"] == [], f"a rendezvous store listed its keys: {report}"
         assert report["stores"] == [], f"a port served the outsider a store: {report}"
+
+    flood_bounds: ClassVar[tuple[float, float, int]] = (3.0, 2.0, 64 << 20)
+    """What a flood of junk at every port may cost: a sync at most ``factor`` times its
+    calm time plus ``seconds``, each process at most ``bytes`` more resident memory."""
+
+    def test_flood_of_junk_at_every_port_costs_bounded_memory_and_time(
+        self, harness: SyncHarness
+    ) -> None:
+        """An outsider floods every port the engines listen on with 60 MiB and tiny ZeroMQ
+        frames and raw TCP junk while syncs run: each sync stays bit-exact and within the
+        time bound, and no process grows past the memory bound."""
+        factor, extra, memory = self.flood_bounds
+        manager = harness.manager()
+        processes = harness.workers()
+
+        def timed_sync(step: int) -> float:
+            expected = harness.set_weights(seed=step)
+            start = time.monotonic()
+            manager.update_weights_sync(global_steps=step)
+            seconds = time.monotonic() - start
+            self.assert_delivered(harness, expected)
+            return seconds
+
+        timed_sync(50)  # every engine listens now, its buffers are allocated
+        calm = statistics.median(timed_sync(step) for step in (51, 52, 53))
+        before = ray.get([process.resources.remote() for process in processes])
+        ports = sorted({port for ports in harness.engine_ports().values() for port in ports})
+        flooder = subprocess.Popen(
+            [sys.executable, "-m", "weightsync_core.testing.flood", "127.0.0.1",
+             ",".join(map(str, ports)), "300"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        try:
+            if flooder.stdout is None:  # stdout=PIPE makes it a pipe: None is a bug
+                raise RuntimeError("the flooder's stdout is not a pipe")
+            assert flooder.stdout.readline().strip() == "ready"
+            time.sleep(1.0)  # the flood is in full swing
+            flooded = [timed_sync(step) for step in (54, 55, 56)]
+            after = ray.get([process.resources.remote() for process in processes])
+        finally:
+            flooder.send_signal(signal.SIGTERM)
+            output, _ = flooder.communicate(timeout=60)
+        sent = json.loads(output.strip().splitlines()[-1])
+        growth = max(b["rss"] - a["rss"] for a, b in zip(before, after, strict=True))
+        bound = factor * calm + extra
+        print(f"\n[{self.backend}] flood of {len(ports)} ports ({sent}): syncs "
+              f"{', '.join(f'{seconds:.2f}' for seconds in flooded)} s against {calm:.2f} s "
+              f"calm (bound {bound:.2f} s); worst RSS growth {growth / 2**20:.1f} MiB")
+        assert max(flooded) <= bound, f"a flooded sync took {max(flooded):.2f} s"
+        assert growth <= memory, f"a process grew by {growth / 2**20:.0f} MiB under the flood"
+        self._recovers(harness)
 
     def test_soak_keeps_resources_flat_and_close_frees_every_port(self) -> None:
         # a deployment of its own: waits of earlier failed syncs may still hold sockets of
