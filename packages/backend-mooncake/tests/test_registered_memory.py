@@ -1,0 +1,103 @@
+"""What an outsider on the network can do to Mooncake's registered memory, which Mooncake
+exposes to anyone who reaches its ports (it binds every interface and asks no credentials):
+single stray writes into a rollout worker's receive slot at random moments of a sync never
+pass as success, and between syncs the slots hold no weights to read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.errors import SyncStageError
+from weightsync_core.testing import SyncHarness, ensure_ray
+
+WRITER = Path(__file__).with_name("stray_writer.py")
+SYNCS = 50
+
+
+@pytest.fixture(scope="module")
+def harness():
+    ensure_ray(num_cpus=2)
+    config = CheckpointEngineConfig(
+        backend="mooncake", update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
+        engine_kwargs={"mooncake": {"protocol": "tcp"}},
+    )
+    deployment = SyncHarness(config, actor_world_size=1, replica_sizes=(1, 1))
+    yield deployment
+    deployment.shutdown()
+
+
+@pytest.fixture
+def outsider(harness):
+    """The stray writer, aimed at the rollout workers' Transfer Engines (their handshake ports;
+    an attacker finds them by scanning Mooncake's port range)."""
+    workers = [worker for replica in harness.replicas for worker in replica.workers]
+    harness.set_weights(seed=0, profile="buckets")
+    harness.manager().update_weights_sync(global_steps=0, allow_manifest_change=True)
+    sessions = ray.get([worker.__ray_call__.remote(
+        lambda self: self.checkpoint_engine.transport.metadata()) for worker in workers])
+    ports = [session.rsplit(":", 1)[1] for session in sessions]
+    writer = subprocess.Popen(
+        [sys.executable, str(WRITER), ",".join(map(str, ports)), "11"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert writer.stdin is not None and writer.stdout is not None
+    ready = writer.stdout.readline().split()
+    assert ready[0] == "ready" and len(ready) == 1 + len(workers), ready
+    yield writer
+    writer.stdin.write("quit\n")
+    writer.stdin.flush()
+    writer.wait(30)
+
+
+def command(writer: subprocess.Popen, line: str) -> str:
+    assert writer.stdin is not None and writer.stdout is not None
+    writer.stdin.write(line + "\n")
+    writer.stdin.flush()
+    return writer.stdout.readline().strip()
+
+
+def test_single_stray_writes_into_a_slot_never_pass_as_success(harness, outsider):
+    workers = [worker for replica in harness.replicas for worker in replica.workers]
+    ray.get([worker.set_faults.remote(delay_per_tensor=0.002) for worker in workers])
+    manager = harness.manager()
+    silent, failed, landed = [], 0, 0
+    try:
+        for attempt in range(SYNCS):
+            expected = harness.set_weights(seed=500 + attempt, profile="buckets")
+            assert outsider.stdin is not None
+            outsider.stdin.write("write 0.8\n")  # lands somewhere in the next 0.8 s
+            outsider.stdin.flush()
+            try:
+                manager.update_weights_sync(global_steps=500 + attempt)
+            except SyncStageError:
+                failed += 1
+            else:
+                reports = harness.reports()
+                wrong = [name for report in reports for name, value in expected.items()
+                         if report["received"].get(name) != value]
+                if wrong:
+                    silent.append(f"sync {attempt}: {wrong[:3]}")
+            assert outsider.stdout is not None
+            landed += outsider.stdout.readline().split()[-1] == "0"
+    finally:
+        ray.get([worker.set_faults.remote() for worker in workers])
+    print(f"\n[mooncake] {landed} stray 4 KiB writes landed over {SYNCS} syncs: {failed} "
+          f"syncs failed, {len(silent)} succeeded with wrong weights")
+    assert landed >= SYNCS // 2, "the outsider's writes did not land"
+    assert not silent, f"syncs reported success with wrong weights: {silent[:3]}"
+
+
+def test_registered_memory_holds_no_weights_between_syncs(harness, outsider):
+    harness.set_weights(seed=600, profile="buckets")
+    harness.manager().update_weights_sync(global_steps=600)
+    answer = command(outsider, "read").split()
+    assert answer[0] == "read"
+    counts = dict(entry.split("=") for entry in answer[1:])
+    assert counts and all(count == "0" for count in counts.values()), (
+        f"non-zero bytes left in registered slots after the sync: {counts}")
