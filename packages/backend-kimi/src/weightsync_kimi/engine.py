@@ -33,12 +33,14 @@ from weightsync_core.spi import (
     DeliveryVerifier,
     EmptyWeightsError,
     PeerEndpoints,
+    ReceiveBuffers,
     RemoteBuffer,
     TransferError,
     TransferStats,
     WeightsSource,
     WeightSyncError,
     allocate_bucket,
+    copy_bytes,
     default_host,
     iter_named_tensors,
     run_blocking,
@@ -85,6 +87,10 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         self._cache_buffers: list[torch.Tensor] = []
         self._cache_descriptors: list[RemoteBuffer] = []
         self._slots: list[torch.Tensor] = []
+        self._copies = ReceiveBuffers(self._allocate)
+        """Where a leader copies each pulled bucket before checking it: what its server and
+        its replica read is what was verified, whatever a peer writes into the registered
+        slots meanwhile (Mooncake lets anyone who reaches it write there)."""
 
     # -- set-up --------------------------------------------------------------------------
     def _open_transport(self) -> MooncakeTransport:
@@ -229,12 +235,15 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     def finalize(self) -> None:
         """End this sync: the replica group stays for reuse; the actor ranks keep their share
         (the cache) until the next update; the leader's pull buffers are released unless
-        ``keep_buffers``."""
+        ``keep_buffers``, and scrubbed if kept (registered memory holds no weights between
+        syncs, the owners' cached shares aside)."""
         plan, self._plan = self._plan, None
         if plan is not None and plan.has_replica_group:
             self._inner.finalize()
         if not self.keep_buffers:
             self._release_slots()
+        for slot in self._slots:
+            slot.zero_()
 
     def abort(self) -> None:
         """After a failed sync: drop the replica group and the pull buffers. A share whose
@@ -278,6 +287,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         return buffer
 
     def _release_slots(self) -> None:
+        self._copies = ReceiveBuffers(self._allocate)
         slots, self._slots = self._slots, []
         for slot in slots:
             with contextlib.suppress(Exception):
@@ -353,7 +363,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         ]
         manifest = [entry for share in shares for entry in share.tensors]
         verifier = DeliveryVerifier(self.bucket_checksum)
-        unpacker = BucketUnpacker(copy=True)
+        unpacker = BucketUnpacker(copy=False)  # views of the copies, never reused while viewed
         relays: deque[asyncio.Task[None]] = deque()
         pending: asyncio.Task[torch.Tensor] | None = None
         try:
@@ -362,8 +372,11 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             for k, (share, meta, _) in enumerate(order):
                 if pending is None:  # started before its turn, by the previous iteration
                     raise WeightSyncError(f"kimi: the pull of bucket {k} was never started")
-                data = await pending
+                pulled = await pending
                 pending = None
+                data = self._copies.take(k)[: meta.nbytes]
+                await copy_bytes(data, pulled)
+                del pulled
                 # the next pull reuses the slot of bucket k-1: its relay must be done
                 while relays:
                     await relays.popleft()

@@ -31,7 +31,9 @@ from weightsync_core.bucketing import (
     BucketMeta,
     BucketPacker,
     BucketUnpacker,
+    ReceiveBuffers,
     WeightsSource,
+    copy_bytes,
     iter_named_tensors,
 )
 from weightsync_core.channel import ControlChannel, PeerEndpoints
@@ -84,6 +86,7 @@ __all__ = [
     "ManifestEntry",
     "PeerEndpoints",
     "PeerTransport",
+    "ReceiveBuffers",
     "RemoteBuffer",
     "RingCheckpointEngine",
     "RingOptions",
@@ -96,6 +99,7 @@ __all__ = [
     "WeightsSource",
     "allocate_bucket",
     "bucket_checksum",
+    "copy_bytes",
     "default_host",
     "describe_buffer",
     "device_checksum",
