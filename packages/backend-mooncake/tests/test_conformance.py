@@ -9,4 +9,3 @@ class TestMooncakeConformance(CheckpointEngineConformanceTests, ControlFrameRepl
 
     backend = "mooncake"
     engine_kwargs = {"protocol": "tcp"}  # noqa: RUF012
-    soak_syncs = 100  # CI time: 100 after the warm-up; core's gloo soak keeps 200

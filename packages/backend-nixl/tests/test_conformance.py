@@ -8,4 +8,3 @@ class TestNixlConformance(CheckpointEngineConformanceTests, ControlFrameReplayTe
 
     backend = "nixl"
     engine_kwargs = {"device": "cpu", "ucx_transports": "tcp"}  # noqa: RUF012
-    soak_syncs = 100  # CI time: 100 after the warm-up; core's gloo soak keeps 200

@@ -84,7 +84,7 @@ class _ConformanceBase:
     soak_syncs: ClassVar[int] = 200
     """Syncs of the soak test (each of a small state dict)."""
     soak_bounds: ClassVar[dict[str, float]] = {
-        "fds": 8, "threads": 4, "established": 2, "rss": 96 << 20,
+        "fds": 8, "threads": 1, "established": 2, "rss": 32 << 20,
     }
     """How much each process may gain over the soak (after a warm-up)."""
     case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {}
