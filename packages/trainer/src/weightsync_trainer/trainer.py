@@ -59,7 +59,8 @@ class RayPPOTrainer:
     def __init__(self, config: ExperimentConfig) -> None:
         self.config = config
         engine_config = config.rollout.checkpoint_engine
-        load_custom_backend_module(engine_config.custom_backend_module)
+        load_custom_backend_module(engine_config.custom_backend_module,
+                                   engine_config.trusted_modules)
         CheckpointEngineRegistry.get(engine_config.backend)
         self.checkpoint_manager_cls = load_checkpoint_manager_class(
             config.rollout.checkpoint_manager_class

@@ -280,6 +280,10 @@ class _ConformanceBase:
         assert time.monotonic() - start < self.failure_timeout_seconds + 10
         assert info.value.stage == "transfer"
         assert "actor_wg rank 0" in str(info.value)
+        if not harness.colocated:  # bytes had moved: every replica is stale, none serves
+            assert [id(r) for r in manager.stale_replicas] == [id(r) for r in harness.replicas]
+            for report in harness.reports():
+                assert report["lifecycle"][-1] != "resume_generation", report["lifecycle"]
         self._recovers(harness)
 
     def _recovers(self, harness: SyncHarness) -> None:

@@ -66,7 +66,8 @@ class TrainingWorker:
                 f"TrainingWorkerConfig has model_type={config.model_type!r}"
             )
         torch.set_num_threads(config.torch_threads)
-        load_custom_backend_module(config.checkpoint_engine.custom_backend_module)
+        engine = config.checkpoint_engine  # the driver's allowlist travels with it
+        load_custom_backend_module(engine.custom_backend_module, engine.trusted_modules)
         self.config = config
         self.rank = rank
         self.extra_context = config.extra_context
