@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SyncStageError
+from weightsync_core import CheckpointEngineConfig, SyncStageError
 from weightsync_core.testing import SyncHarness, ensure_ray
 
 WRITER = Path(__file__).with_name("stray_writer.py")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from weightsync_core.local_ray import CONNECT_SECONDS
 from weightsync_core.testing import user_ray_cluster
+
+CONNECT_SECONDS = 10.0
+"""The bound weightsync-core documents for reaching a cluster (core README, Benchmark)."""
 
 TRAIN = [str(Path(sys.executable).parent / "weightsync-train"), "trainer.total_steps=2",
          "actor.world_size=1", "rollout.num_replicas=1"]
