@@ -63,6 +63,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     """
 
     options_class = KimiOptions
+    host_buckets = 5
+    """A replica leader's two pull slots and up to three copies (owners hold their share)."""
     # options_class makes it a KimiOptions; core declares the base attribute mutable, so
     # narrowing it is reported although nothing assigns another type.
     options: KimiOptions

@@ -127,6 +127,20 @@ class CheckpointEngine(ABC):
     """The engine's checked options, an instance of :attr:`options_class` (a subclass
     narrows the annotation: ``options: MyOptions``)."""
 
+    host_buckets: ClassVar[int] = 3
+    """The most buckets one process of this engine holds in host memory at once (a sender
+    two, a receiver up to three); the config refuses a bucket size whose buckets would not
+    fit in the machine's memory. Engines whose count depends on their options override
+    :meth:`buckets_in_host_memory`."""
+
+    @classmethod
+    def buckets_in_host_memory(cls, options: Any) -> int:
+        """Override point: the most buckets one process holds in host memory with
+        ``options`` (its checked options, or None for an engine without typed options);
+        0 where buckets live on a device or there are none. Default: :attr:`host_buckets`,
+        none for a colocated engine."""
+        return 0 if cls.is_colocated else cls.host_buckets
+
     rollout_dtype: torch.dtype | None = None
     verify: bool = True
     timeout: float = 600.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -447,7 +447,10 @@ class ReceiveBuffers:
         slots: number of buffers cycled through.
     """
 
-    def __init__(self, allocate: Callable[[], torch.Tensor], slots: int = 3) -> None:
+    DEFAULT_SLOTS: ClassVar[int] = 3
+    """Buffers cycled through unless told otherwise."""
+
+    def __init__(self, allocate: Callable[[], torch.Tensor], slots: int = DEFAULT_SLOTS) -> None:
         self._buffers = ViewTrackedBuffers(lambda _slot: allocate(), slots)
         self.allocations = 0
 

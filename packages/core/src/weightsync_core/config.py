@@ -14,20 +14,14 @@ if TYPE_CHECKING:
     from weightsync_core.base import CheckpointEngine
 
 __all__ = [
-    "BUCKETS_PER_PROCESS",
     "MAX_BUCKET_MEGABYTES",
     "CheckpointEngineConfig",
-    "host_bucket_buffers",
     "parse_dtype",
     "physical_memory_bytes",
 ]
 
 MAX_BUCKET_MEGABYTES = 64 << 10
 """The largest bucket accepted (64 GiB): a sender allocates two, a receiver up to three."""
-
-BUCKETS_PER_PROCESS = 3
-"""The most buckets one process holds at once: a sender two, a receiver up to three."""
-
 
 def physical_memory_bytes() -> int | None:
     """This machine's physical memory in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), or None
@@ -39,23 +33,6 @@ def physical_memory_bytes() -> int | None:
     return pages * page_size if pages > 0 and page_size > 0 else None
 
 
-def host_bucket_buffers(engine_cls: type[CheckpointEngine], options: object) -> int:
-    """How many buckets one process of ``engine_cls`` (with ``options``, its typed options,
-    or None) holds at most in host memory: none where it has no buckets (a colocated
-    engine) or keeps them on a device (``device="cuda"`` of a ring engine, the nccl and
-    hccl engines' ``device_type``); else :data:`BUCKETS_PER_PROCESS`, or a ring worker's
-    ``slots`` where that is more."""
-    if engine_cls.is_colocated:
-        return 0
-    device = getattr(options, "device", None)
-    if not isinstance(device, str):
-        device = getattr(engine_cls, "device_type", "cpu")
-    if not isinstance(device, str) or device.split(":")[0] != "cpu":
-        return 0
-    slots = getattr(options, "slots", 0)
-    return max(BUCKETS_PER_PROCESS, slots if isinstance(slots, int) else 0)
-
-
 @dataclass
 class CheckpointEngineConfig:
     """How weights move from the actor worker group to the rollout replicas.
@@ -63,10 +40,13 @@ class CheckpointEngineConfig:
     Attributes:
         backend: registered engine name (``naive``, ``gloo``, ``nccl``, ``nixl``, ...).
         update_weights_bucket_megabytes: size of each transfer bucket in MiB; a sender
-            allocates two (double buffering), a receiver up to three. Tensors larger than a
-            bucket are chunked. At most 64 GiB, and, where the engine keeps its buckets in
-            host memory, at most a third of this machine's physical memory (checked when the
-            config is built and again where each engine is built).
+            allocates two (double buffering), a receiver up to three (a ring worker its
+            slots and three copies). Tensors larger than a bucket are chunked. At most
+            64 GiB, and, where the engine keeps its buckets in host memory, the buckets one
+            process holds (:meth:`CheckpointEngine.buckets_in_host_memory
+            <weightsync_core.base.CheckpointEngine.buckets_in_host_memory>`) must fit in this
+            machine's physical memory (checked when the config is built and again where
+            each engine is built).
         engine_kwargs: extra constructor arguments per backend name, e.g.
             ``{"nixl": {"plugin": "UCX"}}``; only the active backend's entry is used, and it
             is checked against that backend's typed options when the config is built.
@@ -155,8 +135,8 @@ class CheckpointEngineConfig:
     def check_bucket_memory(self, engine_cls: type[CheckpointEngine]) -> None:
         """Refuse a bucket size whose buckets cannot fit in this machine's physical memory,
         where ``engine_cls`` (the configured backend's engine, with this config's options)
-        keeps them in host memory (see :func:`host_bucket_buffers`; buckets on a device
-        are bounded by the 64 GiB cap only). Runs when the config is built and where each
+        keeps them in host memory (``engine_cls.buckets_in_host_memory``; buckets on a
+        device are bounded by the 64 GiB cap only). Runs when the config is built and where each
         engine is built (:func:`~weightsync_core.worker.build_engine`), each time against
         the memory of the machine it runs on.
 
@@ -169,7 +149,7 @@ class CheckpointEngineConfig:
         options = (parse_options(engine_cls.options_class, self.backend,
                                  self.active_engine_kwargs)
                    if engine_cls.declares_options() else None)
-        buffers = host_bucket_buffers(engine_cls, options)
+        buffers = engine_cls.buckets_in_host_memory(options)
         memory = physical_memory_bytes()
         if not buffers or memory is None or buffers * self.bucket_size_bytes <= memory:
             return
@@ -180,7 +160,8 @@ class CheckpointEngineConfig:
             f"update_weights_bucket_megabytes={self.update_weights_bucket_megabytes} does not "
             f"fit in this machine's memory: backend {self.backend!r} holds up to {buffers} "
             f"buckets in host memory in one process (a sender 2, a receiver up to 3, a ring "
-            f"worker its slots), {buffers * self.bucket_size_bytes / (1 << 30):.1f} GiB, and "
+            f"worker its slots and 3 copies), "
+            f"{buffers * self.bucket_size_bytes / (1 << 30):.1f} GiB, and "
             f"this machine has {memory / (1 << 30):.1f} GiB of physical memory. The largest "
             f"accepted here is {largest} MiB: lower update_weights_bucket_megabytes to at "
             f"most {largest}{on_device}"

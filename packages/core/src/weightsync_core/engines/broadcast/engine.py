@@ -72,6 +72,12 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
     options_class = CollectiveBroadcastOptions
     options: CollectiveBroadcastOptions
 
+    @classmethod
+    def buckets_in_host_memory(cls, options: Any) -> int:
+        """Three in host memory (a sender two, a receiver up to three); none where the
+        engine keeps its buckets on a device (nccl, hccl)."""
+        return 0 if cls.device_type != "cpu" else super().buckets_in_host_memory(options)
+
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
         options = self.options

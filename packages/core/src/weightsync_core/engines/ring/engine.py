@@ -78,6 +78,14 @@ class RingCheckpointEngine(CheckpointEngine):
         self._peers: dict[str, Hashable] = {}
         self._session: RingSession | None = None
 
+    @classmethod
+    def buckets_in_host_memory(cls, options: Any) -> int:
+        """A rollout worker's ``slots`` registered buckets plus up to three copies it checks
+        and hands out (the sender holds two); none on a device."""
+        if not isinstance(options, RingOptions):
+            return super().buckets_in_host_memory(options)
+        return 0 if options.device != "cpu" else options.slots + ReceiveBuffers.DEFAULT_SLOTS
+
     # -- override point for transports ---------------------------------------------------
     @abstractmethod
     def create_transport(self) -> PeerTransport:
