@@ -62,6 +62,30 @@ def lie_in_prepare(
     engine.prepare = prepare
 
 
+class _ProcessHooks:
+    """What tests ask of any process of a deployment: its resources, and faults of its
+    engine (``checkpoint_engine``) and its control traffic."""
+
+    checkpoint_engine: Any
+
+    def resources(self) -> dict[str, object]:
+        """What this process holds (see :func:`process_resources`)."""
+        return process_resources()
+
+    def tap_control_frames(self, path: str | None) -> None:
+        """Record every control frame this process sends (see
+        :func:`~weightsync_core.testing.replay.tap_control_frames`)."""
+        tap_control_frames(path)
+
+    def lie_in_prepare(
+        self, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
+        instead: Any = _TRUTH,
+    ) -> None:
+        """Make this process's engine return wrong metadata from ``prepare()`` (see
+        :func:`lie_in_prepare`); with no argument, its own again."""
+        lie_in_prepare(self.checkpoint_engine, drop, update, instead)
+
+
 class RecordingServerAdapter:
     """A stand-in inference server that keeps a digest of each received tensor.
 
@@ -124,7 +148,7 @@ class RecordingServerAdapter:
         self.lifecycle.append("wake_up")
 
 
-class RecordingRolloutWorker(CheckpointEngineWorker):
+class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
     """Rollout worker whose server adapter is a :class:`RecordingServerAdapter`."""
 
     def __init__(self, config: CheckpointEngineConfig) -> None:
@@ -150,14 +174,6 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
         if not keep:
             adapter.kept.clear()
 
-    def lie_in_prepare(
-        self, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
-        instead: Any = _TRUTH,
-    ) -> None:
-        """Make this process's engine return wrong metadata from ``prepare()`` (see
-        :func:`lie_in_prepare`); with no argument, its own again."""
-        lie_in_prepare(self.checkpoint_engine, drop, update, instead)
-
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""
         adapter = self._recorder()
@@ -171,20 +187,11 @@ class RecordingRolloutWorker(CheckpointEngineWorker):
             "pid": os.getpid(),
         }
 
-    def resources(self) -> dict[str, object]:
-        """What this process holds (see :func:`process_resources`)."""
-        return process_resources()
-
-    def tap_control_frames(self, path: str | None) -> None:
-        """Record every control frame this process sends (see
-        :func:`~weightsync_core.testing.replay.tap_control_frames`)."""
-        tap_control_frames(path)
-
     def _recorder(self) -> RecordingServerAdapter:
         return self.server_adapter_of(RecordingServerAdapter)
 
 
-class WeightSourceActor(ActorCheckpointEngineMixin):
+class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
     """An ``actor_wg`` rank with deterministic weights; colocated engines also get a
     recording server in-process."""
 
@@ -232,23 +239,6 @@ class WeightSourceActor(ActorCheckpointEngineMixin):
             return value ^ 1 if next(calls) == bucket else value
 
         engine.bucket_checksum = corrupted
-
-    def resources(self) -> dict[str, object]:
-        """What this process holds (see :func:`process_resources`)."""
-        return process_resources()
-
-    def tap_control_frames(self, path: str | None) -> None:
-        """Record every control frame this process sends (see
-        :func:`~weightsync_core.testing.replay.tap_control_frames`)."""
-        tap_control_frames(path)
-
-    def lie_in_prepare(
-        self, drop: Sequence[str] = (), update: dict[str, Any] | None = None,
-        instead: Any = _TRUTH,
-    ) -> None:
-        """Make this process's engine return wrong metadata from ``prepare()`` (see
-        :func:`lie_in_prepare`); with no argument, its own again."""
-        lie_in_prepare(self.checkpoint_engine, drop, update, instead)
 
     def report(self) -> dict[str, Any]:
         """What the colocated server received (colocated engines only)."""
