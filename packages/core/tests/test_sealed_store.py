@@ -128,3 +128,18 @@ def test_a_kept_group_store_stops_when_the_group_goes():
     store.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_a_member_waiting_when_the_store_closes_learns_what_is_missing(served):
+    """Rank 0 gives up first (its group failed) while another rank still waits: that rank
+    is answered with the keys that never came, not left with a closed connection."""
+    server, client, _ = served
+    client.set("arrived/0", b"1")
+    client.set("arrived/1", b"1")
+    closer = threading.Timer(0.5, server.close)
+    closer.start()
+    start = time.monotonic()
+    missing = client.missing_after(["arrived/0", "arrived/1", "arrived/2"], 5.0)
+    assert missing == ["arrived/2"]
+    assert time.monotonic() - start < 2.5
+    closer.join()

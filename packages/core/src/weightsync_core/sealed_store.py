@@ -99,15 +99,22 @@ class _Table:
         self.values: dict[str, bytes] = {}
         self.nbytes = 0
         self.changed = asyncio.Condition()
+        self.closing = False
 
     async def until_present(self, keys: list[str], timeout: float) -> list[str]:
-        """Wait until every key is present; the keys still missing after ``timeout``
-        seconds (none: all present)."""
+        """Wait until every key is present (or the store closes); the keys still missing
+        then, or after ``timeout`` seconds (none: all present)."""
         async with self.changed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait_for(
-                    lambda: all(key in self.values for key in keys)), timeout)
+                    lambda: self.closing or all(key in self.values for key in keys)), timeout)
             return [key for key in keys if key not in self.values]
+
+    async def close(self) -> None:
+        """End every wait now: each is answered with the keys it still misses."""
+        async with self.changed:
+            self.closing = True
+            self.changed.notify_all()
 
     async def put(self, key: str, value: bytes) -> None:
         old = self.values.get(key)
@@ -170,13 +177,18 @@ class SealedStoreServer:
         server = await asyncio.start_server(self._serve, sock=listener,
                                             limit=MAX_FRAME_BYTES + _LENGTH.size)
         self._started.set()
-        async with server:
-            await self._stopped.wait()
-            server.close()
+        await self._stopped.wait()
+        server.close()
+        # members still waiting (a rank whose group is failing) get their answer, not a
+        # closed connection: which keys never came names the ranks that never arrived
+        await self._table.close()
         tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=REQUEST_SECONDS)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
 
     def close(self) -> None:
         """Stop serving and close every connection and the listener (idempotent)."""
