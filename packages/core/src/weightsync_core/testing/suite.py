@@ -605,9 +605,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 expected = harness.set_weights(seed=step)
                 manager.update_weights_sync(global_steps=step)
                 self.assert_delivered(harness, expected)
-            # two whole rounds on the group kept between syncs
-            rounds = [outsider.stdout.readline().strip() for _ in range(2)]
-            assert all(line.startswith("round") for line in rounds), rounds
+            # a whole round on the group kept between syncs
+            assert outsider.stdout.readline().startswith("round"), "the outsider stopped"
         finally:
             outsider.send_signal(signal.SIGTERM)
             output, _ = outsider.communicate(timeout=60)
@@ -730,7 +729,7 @@ class ControlFrameReplayTests(_ConformanceBase):
     ) -> None:
         """The same, for every control frame of the sync (hellos and finals too), replayed
         to where it went and to other members."""
-        self._sync_under_replays(harness, tmp_path, 3.0, [], syncs=10)
+        self._sync_under_replays(harness, tmp_path, 3.0, [], syncs=5)
 
     def _sync_under_replays(self, harness: SyncHarness, tmp_path, rate: float,
                             kinds: list[str], syncs: int | None = None) -> None:
