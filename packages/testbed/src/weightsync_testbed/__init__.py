@@ -6,6 +6,7 @@ delay) and placement helpers, so that weightsync's engines are tested and benchm
 across host boundaries. Needs root and iproute2; see :func:`check_available`.
 """
 
+from weightsync_testbed.claim import TestbedBusyError
 from weightsync_testbed.cluster import host_resource
 from weightsync_testbed.network import Link, TestbedUnavailableError, check_available
 from weightsync_testbed.placement import HostPlacement, on_host
@@ -15,6 +16,7 @@ __all__ = [
     "HostPlacement",
     "Link",
     "Testbed",
+    "TestbedBusyError",
     "TestbedUnavailableError",
     "check_available",
     "cleanup",

@@ -13,10 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
+from weightsync_testbed.claim import PrefixClaim
 from weightsync_testbed.cluster import RayCluster, kill_ray_processes
 from weightsync_testbed.network import Link, Network, check_available, remove_leftovers
 
 __all__ = ["Testbed", "cleanup"]
+
+_log = logging.getLogger(__name__)
 
 
 class Testbed:
@@ -33,10 +36,13 @@ class Testbed:
     Args:
         hosts: host names, or a count (hosts ``h0``, ``h1``, ...).
         link: every host's NIC (default 1 Gbit/s full duplex).
-        prefix: first part of every namespace/interface name (one testbed per prefix).
+        prefix: first part of every namespace/interface name (one testbed per prefix: on
+            entry, a testbed waits up to ``wait_seconds`` for a living process using the
+            same prefix, and removes what a dead one left behind).
         cpus_per_host: logical CPUs each Ray node advertises.
         object_store_bytes: object store of each node.
         connect: join the cluster as its Ray driver on entry.
+        wait_seconds: how long to wait for another process's testbed of the same prefix.
     """
 
     __test__ = False  # not a pytest test class, whatever its name
@@ -44,9 +50,11 @@ class Testbed:
     def __init__(
         self, hosts: Sequence[str] | int = 2, link: Link | None = None, prefix: str = "wst",
         cpus_per_host: int = 2, object_store_bytes: int = 1 << 30, connect: bool = True,
+        wait_seconds: float = 300.0,
     ) -> None:
         names = [f"h{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
         self.network = Network(names, link, prefix)
+        self.claim = PrefixClaim(prefix, wait_seconds)
         self.cluster = RayCluster(self.network, cpus_per_host, object_store_bytes)
         self.connect = connect
         self._previous_handlers: dict[int, Any] | None = None
@@ -64,8 +72,10 @@ class Testbed:
     # -- life cycle ------------------------------------------------------------------------
     def __enter__(self) -> Testbed:
         check_available()
+        self.claim.acquire()
         self._trap_signals()
         try:
+            self._remove_what_a_dead_run_left()
             self.network.create()
             self.cluster.start()
             if self.connect:
@@ -75,6 +85,14 @@ class Testbed:
             self.close()
             raise
         return self
+
+    def _remove_what_a_dead_run_left(self) -> None:
+        """With the prefix claimed, anything still carrying it belongs to a run that died
+        before its teardown (killed, or its machine restarted): remove it."""
+        removed = cleanup(self.network.prefix)
+        if any(removed.values()):
+            _log.warning("removed what a dead testbed of prefix %r left behind: %s",
+                         self.network.prefix, removed)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -143,7 +161,10 @@ class Testbed:
             try:
                 self.cluster.stop()
             finally:
-                self.network.destroy()
+                try:
+                    self.network.destroy()
+                finally:
+                    self.claim.release()
         finally:
             if in_main:
                 self._restore_signals()
