@@ -2,6 +2,7 @@
 no key: it can neither list, read nor write anything, nor replay a member's request, and
 junk, oversized and idle connections cost the server little and never keep members out."""
 
+import contextlib
 import datetime
 import os
 import socket
@@ -143,3 +144,50 @@ def test_a_member_waiting_when_the_store_closes_learns_what_is_missing(served):
     assert missing == ["arrived/2"]
     assert time.monotonic() - start < 2.5
     closer.join()
+
+
+def _delaying_proxy(port: int, delay: float) -> tuple[socket.socket, threading.Thread]:
+    """A loopback relay to ``port`` that holds the first connection's bytes for ``delay``
+    seconds (a request slowed by TCP retransmissions on a lossy link) and relays every
+    later connection at once; closes follow in both directions."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(source: socket.socket, target: socket.socket, hold: float) -> None:
+        with source, target, contextlib.suppress(OSError):
+            time.sleep(hold)
+            while chunk := source.recv(1 << 16):
+                target.sendall(chunk)
+            target.shutdown(socket.SHUT_WR)
+
+    def relay() -> None:
+        for index in range(2):
+            client, _ = listener.accept()
+            upstream = socket.create_connection(("127.0.0.1", port))
+            hold = delay if index == 0 else 0.0
+            threading.Thread(target=pipe, args=(client, upstream.dup(), hold),
+                             daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, client.dup(), 0.0),
+                             daemon=True).start()
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_request_held_up_past_the_request_deadline_is_sent_again():
+    """On a lossy link a request can reach the store after REQUEST_SECONDS; the store closes
+    it unanswered (it never took it) and the member sends it again, under a new nonce."""
+    key = new_session_key()
+    store_listener = listen_on_free_port("127.0.0.1")
+    server = SealedStoreServer(store_listener, key, timeout=10.0)
+    listener, relay = _delaying_proxy(store_listener.getsockname()[1], REQUEST_SECONDS + 0.5)
+    try:
+        with listener:
+            member = SealedStore("127.0.0.1", listener.getsockname()[1], key, timeout=10.0)
+            member.set("weightsync/arrived/1", b"1")
+            relay.join(timeout=5)
+        assert server.rejected == 1, "the held-up request should have been closed unanswered"
+        direct = SealedStore("127.0.0.1", store_listener.getsockname()[1], key, timeout=10.0)
+        assert direct.get("weightsync/arrived/1") == b"1"
+    finally:
+        server.close()

@@ -15,7 +15,8 @@ lists keys. Before a request is authenticated it costs the server little: a fram
 :data:`MAX_FRAME_BYTES` closes the connection before it is read, a request must arrive whole
 within :data:`REQUEST_SECONDS` of the connection, and at most :data:`MAX_CONNECTIONS`
 connections wait for their request at once (a new one closes the oldest: a member, who
-sends its request as soon as it connects, gets through a flood of idle connections). A group
+sends its request as soon as it connects, gets through a flood of idle connections; a
+request closed unanswered is sent again, up to :data:`REQUEST_ATTEMPTS` times). A group
 kept between syncs keeps its store under the key of the sync that built it, which no one
 outside that sync ever held.
 """
@@ -43,6 +44,7 @@ from weightsync_core.wire import MessageCodec, MessageSealer, worth_logging
 __all__ = [
     "MAX_CONNECTIONS",
     "MAX_FRAME_BYTES",
+    "REQUEST_ATTEMPTS",
     "REQUEST_SECONDS",
     "SealedStore",
     "SealedStoreServer",
@@ -56,6 +58,11 @@ REQUEST_SECONDS = 2.0
 """A connection must deliver its whole request within this time, or it is closed."""
 MAX_CONNECTIONS = 256
 """Connections waiting for their request at once; a new one closes the oldest."""
+REQUEST_ATTEMPTS = 3
+"""How often a member sends a request the store closed unanswered (each time under a new
+nonce): on a lossy link a retransmission can hold a request past :data:`REQUEST_SECONDS`
+(a TCP retransmission timeout after a lost SYN-ACK is 3 s), and a flood of idle connections
+can crowd a member's out."""
 MAX_KEYS = 1 << 16
 MAX_STORED_BYTES = 64 << 20
 """What members may store in all (a guard against a member's bug, not against outsiders,
@@ -345,28 +352,59 @@ class SealedStore(Store):
     # -- one request ---------------------------------------------------------------------
     def _call(self, op: Operation, keys: list[str], *, value: bytes = b"",
               expected: bytes = b"", amount: int = 0, timeout: float = 0.0) -> _Reply:
-        nonce = secrets.token_bytes(_NONCE_BYTES)
-        request = _Request(nonce, op, keys, value, expected, amount, timeout)
         deadline = time.monotonic() + timeout + self._timeout
-        try:
-            with socket.create_connection((self.host, self.port),
-                                          timeout=self._timeout) as connection:
+        for attempt in range(1, REQUEST_ATTEMPTS + 1):
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            request = _Request(nonce, op, keys, value, expected, amount, timeout)
+            try:
+                reply = self._exchange(request, deadline)
+            except _ClosedUnanswered as exc:
+                if attempt < REQUEST_ATTEMPTS and time.monotonic() < deadline:
+                    continue
+                raise self._unanswered(op, exc, attempt) from exc
+            except (OSError, MalformedMessageError, UnauthenticatedMessageError) as exc:
+                raise self._unanswered(op, exc, attempt) from exc
+            if reply.nonce != nonce:
+                raise dist.DistStoreError("the rendezvous store answered another request")
+            if reply.error:
+                raise dist.DistStoreError(f"rendezvous store: {reply.error}")
+            return reply
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _exchange(self, request: _Request, deadline: float) -> _Reply:
+        """One connection: send ``request``, read the reply.
+
+        Raises:
+            _ClosedUnanswered: the server closed the connection before any byte of a reply
+                (it did not take the request).
+        """
+        with socket.create_connection((self.host, self.port),
+                                      timeout=self._timeout) as connection:
+            try:
                 connection.sendall(_frame(self._sealer.seal(_REQUESTS.encode(request))))
-                (length,) = _LENGTH.unpack(_receive(connection, _LENGTH.size, deadline))
-                if length > MAX_FRAME_BYTES:
-                    raise MalformedMessageError(f"a {length}-byte reply")
-                reply = _REPLIES.decode(self._sealer.open(_receive(connection, length,
-                                                                   deadline)))
-        except (OSError, MalformedMessageError, UnauthenticatedMessageError) as exc:
-            raise dist.DistStoreError(
-                f"the weight-sync rendezvous store at {self.host}:{self.port} (group rank "
-                f"0) did not answer a {op} ({type(exc).__name__}: {exc})"
-            ) from exc
-        if reply.nonce != nonce:
-            raise dist.DistStoreError("the rendezvous store answered another request")
-        if reply.error:
-            raise dist.DistStoreError(f"rendezvous store: {reply.error}")
-        return reply
+                header = _receive(connection, _LENGTH.size, deadline)
+            except (ConnectionResetError, BrokenPipeError, _ClosedUnanswered) as exc:
+                raise _ClosedUnanswered(str(exc) or type(exc).__name__) from exc
+            (length,) = _LENGTH.unpack(header)
+            if length > MAX_FRAME_BYTES:
+                raise MalformedMessageError(f"a {length}-byte reply")
+            try:
+                body = _receive(connection, length, deadline)
+            except _ClosedUnanswered as exc:  # the header came: the request was taken
+                raise ConnectionError("the store closed the connection mid-reply") from exc
+            return _REPLIES.decode(self._sealer.open(body))
+
+    def _unanswered(self, op: Operation, exc: Exception, attempts: int) -> dist.DistStoreError:
+        tries = f" ({attempts} tries)" if attempts > 1 else ""
+        return dist.DistStoreError(
+            f"the weight-sync rendezvous store at {self.host}:{self.port} (group rank 0) did "
+            f"not answer a {op}{tries} ({type(exc).__name__}: {exc})"
+        )
+
+
+class _ClosedUnanswered(ConnectionError):
+    """The store closed a connection before answering: it never took the request (a
+    request it takes is always answered), so sending it again is safe."""
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -386,6 +424,8 @@ def _receive(connection: socket.socket, nbytes: int, deadline: float) -> bytes:
         connection.settimeout(left)
         chunk = connection.recv(nbytes - len(data))
         if not chunk:
-            raise ConnectionError("the store closed the connection")
+            if data:
+                raise ConnectionError("the store closed the connection mid-reply")
+            raise _ClosedUnanswered("the store closed the connection unanswered")
         data += chunk
     return bytes(data)
