@@ -39,6 +39,15 @@ def frame(key: bytes, body: bytes, recipient: str, seq: int = 0,
                                                                body)))
 
 
+def outsider_push(endpoint: str) -> zmq.Socket:
+    """A PUSH socket connected to ``endpoint``, as a process outside the sync would open, in
+    a context of its own: ``push.context.destroy(linger=0)`` closes both."""
+    push = zmq.Context().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(endpoint)
+    return push
+
+
 def channels(key: bytes | None = None) -> tuple[ControlChannel, ControlChannel]:
     key = key or new_session_key()
     pair = ControlChannel("127.0.0.1", Note), ControlChannel("127.0.0.1", Note)
@@ -98,10 +107,7 @@ def test_unauthenticated_and_malformed_frames_are_dropped_never_decoded(tmp_path
 
     async def scenario():
         sender, receiver = channels(key)
-        outsider = zmq.Context()
-        push = outsider.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(receiver.endpoint)
+        push = outsider_push(receiver.endpoint)
         try:
             payload = pickle.dumps({"kind": "credit", "x": _Marker(str(marker))})
             push.send(payload)  # a pickle, as 0.2.0 would have decoded it
@@ -118,8 +124,7 @@ def test_unauthenticated_and_malformed_frames_are_dropped_never_decoded(tmp_path
             assert (await receiver.receive(5)).index == 7
             assert receiver.rejected == 6
         finally:
-            push.close()
-            outsider.term()
+            push.context.destroy(linger=0)
             sender.close()
             receiver.close()
 
@@ -167,10 +172,7 @@ def test_replayed_duplicated_and_misaddressed_frames_are_dropped():
         sender, receiver = channels(key)
         other = ControlChannel("127.0.0.1", Note)
         other.use_key(key)
-        outsider = zmq.Context()
-        push = outsider.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(receiver.endpoint)
+        push = outsider_push(receiver.endpoint)
         captured: list[bytes] = []  # what the member really puts on the wire
         original = zmq.asyncio.Socket.send
 
@@ -195,8 +197,7 @@ def test_replayed_duplicated_and_misaddressed_frames_are_dropped():
                 await receiver.receive(0.3)
             assert (receiver.replayed, receiver.rejected) == (1, 1)
         finally:
-            push.close()
-            outsider.term()
+            push.context.destroy(linger=0)
             for channel in (sender, receiver, other):
                 channel.close()
 
@@ -230,18 +231,14 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_buffered():
     through."""
     async def scenario():
         sender, receiver = channels()
-        outsider = zmq.Context()
-        push = outsider.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(receiver.endpoint)
+        push = outsider_push(receiver.endpoint)
         try:
             push.send(b"\x00" * (MAX_FRAME_BYTES + 1))
             await sender.send(receiver.endpoint, Note(4), timeout=5)
             assert (await receiver.receive(5)).index == 4
             assert receiver.rejected == 0  # never even read
         finally:
-            push.close()
-            outsider.term()
+            push.context.destroy(linger=0)
             sender.close()
             receiver.close()
 
