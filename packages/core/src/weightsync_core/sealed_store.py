@@ -353,7 +353,9 @@ class SealedStore(Store):
     def _call(self, op: Operation, keys: list[str], *, value: bytes = b"",
               expected: bytes = b"", amount: int = 0, timeout: float = 0.0) -> _Reply:
         deadline = time.monotonic() + timeout + self._timeout
-        for attempt in range(1, REQUEST_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             nonce = secrets.token_bytes(_NONCE_BYTES)
             request = _Request(nonce, op, keys, value, expected, amount, timeout)
             try:
@@ -369,7 +371,6 @@ class SealedStore(Store):
             if reply.error:
                 raise dist.DistStoreError(f"rendezvous store: {reply.error}")
             return reply
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _exchange(self, request: _Request, deadline: float) -> _Reply:
         """One connection: send ``request``, read the reply.
@@ -383,8 +384,8 @@ class SealedStore(Store):
             try:
                 connection.sendall(_frame(self._sealer.seal(_REQUESTS.encode(request))))
                 header = _receive(connection, _LENGTH.size, deadline)
-            except (ConnectionResetError, BrokenPipeError, _ClosedUnanswered) as exc:
-                raise _ClosedUnanswered(str(exc) or type(exc).__name__) from exc
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                raise _ClosedUnanswered(str(exc)) from exc
             (length,) = _LENGTH.unpack(header)
             if length > MAX_FRAME_BYTES:
                 raise MalformedMessageError(f"a {length}-byte reply")
