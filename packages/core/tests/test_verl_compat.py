@@ -111,3 +111,24 @@ def test_a_verl_engine_under_a_free_name_keeps_it_and_gets_the_verl_name(restore
     assert restored_registry.get("acme_rdma") is engine
     assert restored_registry.get("verl_acme_rdma") is engine
     CheckpointEngineRegistry.register("acme_rdma")(engine)  # imported twice: harmless
+
+
+def test_a_verl_engine_is_built_with_a_dtype_and_the_syncs_timeout(restored_registry):
+    from weightsync_core import CheckpointEngineConfig
+    from weightsync_core.verl_compat import CheckpointEngine
+    from weightsync_core.worker import build_engine
+
+    @restored_registry.register("verl_dtype_taker")
+    class TakesDtype(CheckpointEngine):  # as verl's Mooncake engine, which uses .to(dtype)
+        def __init__(self, bucket_size, rollout_dtype=torch.bfloat16, is_master=False):
+            self.bucket_size = bucket_size
+            self.rollout_dtype = rollout_dtype
+
+        prepare = init_process_group = finalize = send_weights = receive_weights = None
+        build_topology = None
+
+    config = CheckpointEngineConfig(backend="verl_dtype_taker", rollout_dtype="float16",
+                                    sync_timeout_seconds=42)
+    engine = build_engine(config)
+    assert engine.rollout_dtype is torch.float16
+    assert engine.timeout == 42

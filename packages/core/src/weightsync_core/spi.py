@@ -4,6 +4,7 @@ Everything a transport package needs to build an engine is exported here under p
 names: the engine interfaces and the two bases backends specialise (collective broadcast and
 the pipelined ring) with their typed options, the peer-to-peer transport interface, bucket
 packing and unpacking, delivery verification, the authenticated control channel, the
+sealed rendezvous store (a group's store that only the sync's processes can use), the
 blocking-call helper, bucket allocation on a device and the address helpers.
 
 The bases' override points are public, documented methods (for instance
@@ -50,13 +51,20 @@ from weightsync_core.errors import (
     BackendNotInstalledError,
     EmptyWeightsError,
     EngineOptionsError,
+    GroupInitTimeoutError,
     SenderAbortedError,
     TransferError,
     VerificationError,
     WeightSyncError,
 )
 from weightsync_core.options import EngineOptions
-from weightsync_core.process_group import default_host
+from weightsync_core.process_group import (
+    RendezvousStore,
+    check_bind_host,
+    create_store,
+    default_host,
+    rendezvous,
+)
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
 from weightsync_core.verification import (
@@ -65,6 +73,7 @@ from weightsync_core.verification import (
     bucket_checksum,
     device_checksum,
 )
+from weightsync_core.wire import MessageSealer
 
 __all__ = [
     "BackendLoadError",
@@ -83,11 +92,14 @@ __all__ = [
     "EmptyWeightsError",
     "EngineOptions",
     "EngineOptionsError",
+    "GroupInitTimeoutError",
     "ManifestEntry",
+    "MessageSealer",
     "PeerEndpoints",
     "PeerTransport",
     "ReceiveBuffers",
     "RemoteBuffer",
+    "RendezvousStore",
     "RingCheckpointEngine",
     "RingOptions",
     "SenderAbortedError",
@@ -99,11 +111,14 @@ __all__ = [
     "WeightsSource",
     "allocate_bucket",
     "bucket_checksum",
+    "check_bind_host",
     "copy_bytes",
+    "create_store",
     "default_host",
     "describe_buffer",
     "device_checksum",
     "iter_named_tensors",
+    "rendezvous",
     "resolve_device",
     "run_blocking",
     "synchronize_device",

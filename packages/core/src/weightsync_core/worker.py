@@ -20,6 +20,7 @@ from weightsync_core.base import (
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
 from weightsync_core.plugins import load_custom_backend_module
@@ -50,7 +51,8 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
 
     ``rollout_dtype`` (when set), ``verify`` and ``timeout`` go to engines whose constructor
     takes them; an engine written for verl, which knows none of them, gets only
-    ``bucket_size`` and its ``engine_kwargs``.
+    ``bucket_size`` and its ``engine_kwargs`` and then, unless it set one of its own, the
+    sync's timeout as its ``timeout`` attribute (what the helpers it uses wait at most).
 
     Raises:
         PluginError: a ``custom_backend_module`` refused or not loadable.
@@ -63,12 +65,15 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
     check_on_this_machine(engine_cls, config)
     options = {"verify": config.verify, "timeout": config.sync_timeout_seconds}
     if config.rollout_dtype is not None:
-        options["rollout_dtype"] = config.rollout_dtype
-    return engine_cls(
+        options["rollout_dtype"] = parse_dtype(config.rollout_dtype)  # verl's take a dtype
+    engine = engine_cls(
         bucket_size=config.bucket_size_bytes,
         **_accepted(engine_cls, options),
         **config.active_engine_kwargs,
     )
+    if _written_for_verl(engine) and "timeout" not in vars(engine):
+        engine.timeout = config.sync_timeout_seconds
+    return engine
 
 
 def check_on_this_machine(
@@ -219,12 +224,17 @@ class _ProducedWeights:
         weights: what the actor's ``iter_weights`` returned.
         progress: the engine's progress record.
         taken: counts of what the engine took.
+        contiguous: hand every tensor contiguous, as verl's weight exporters do (engines
+            written for verl view them flat: verl's Mooncake engine fails on a transposed
+            tensor otherwise).
     """
 
-    def __init__(self, weights: WeightsSource, progress: SyncProgress, taken: TransferStats):
+    def __init__(self, weights: WeightsSource, progress: SyncProgress, taken: TransferStats,
+                 contiguous: bool = False):
         self.weights = weights
         self.progress = progress
         self.taken = taken
+        self.contiguous = contiguous
 
     def __aiter__(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         return self._produce_async()
@@ -258,7 +268,7 @@ class _ProducedWeights:
         self.progress.enter("sending")
         self.taken.num_tensors += 1
         self.taken.nbytes += tensor.numel() * tensor.element_size()
-        return name, tensor
+        return name, tensor.contiguous() if self.contiguous else tensor
 
     def _done_with_one(self) -> None:
         self.progress.tensors += 1
@@ -425,7 +435,9 @@ class ActorCheckpointEngineMixin:
         engine = self.checkpoint_engine
         taken = TransferStats()
         stats = await engine.send_weights(
-            _ProducedWeights(self.iter_weights(), engine.progress, taken), global_steps
+            _ProducedWeights(self.iter_weights(), engine.progress, taken,
+                             contiguous=_written_for_verl(engine)),
+            global_steps,
         )
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             if not taken.num_tensors:  # it would only end the sync, blaming the receivers

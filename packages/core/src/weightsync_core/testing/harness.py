@@ -141,11 +141,16 @@ class SyncHarness(Deployment):
         self.actor_wg = RayWorkerGroup(self.actors)
         self._ray_ports.update(self._listening([self.actors[rank]]))
 
+    weights_profile: str = "standard"
+    """The weights profile :meth:`set_weights` uses unless told another
+    (:func:`~weightsync_core.testing.weights.make_weights`)."""
+
     def set_weights(
-        self, seed: int, profile: str = "standard", faults: Faults | None = None
+        self, seed: int, profile: str | None = None, faults: Faults | None = None
     ) -> dict[str, TensorDigest]:
-        """Give every actor rank the weights of ``seed``; return the digests receivers
-        should report."""
+        """Give every actor rank the weights of ``seed`` (of ``profile``, by default
+        :attr:`weights_profile`); return the digests receivers should report."""
+        profile = profile or self.weights_profile
         ray.get([actor.set_weights.remote(seed, profile, faults) for actor in self.actors])
         weights = make_weights(seed, self.config.bucket_size_bytes, profile)
         return digests(weights, parse_dtype(self.config.rollout_dtype))

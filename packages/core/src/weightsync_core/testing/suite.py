@@ -79,6 +79,10 @@ class _ConformanceBase:
     """The sync timeout of syncs expected to fail or hang."""
     replica_sizes: ClassVar[tuple[int, ...]] = (1, 2)
     """Workers per replica: one single-worker replica and one of two (3 workers in all)."""
+    weights_profile: ClassVar[str] = "standard"
+    """The weights the cases sync unless a case needs others: ``rollout_floats`` for an
+    engine that casts every tensor to its rollout dtype and fits each in one bucket
+    (:func:`~weightsync_core.testing.weights.make_weights`)."""
     ray_actor_options: ClassVar[dict[str, Any]] = {}
     """Extra ``ray.remote`` options of every actor (``{"num_gpus": 1}`` for device engines)."""
     soak_syncs: ClassVar[int] = 200
@@ -149,6 +153,7 @@ class _ConformanceBase:
         _USED.add((cls, "harness"))
         booted = _BOOTED_AHEAD.pop((cls, "harness"), None)
         harness = booted.result() if booted else cls.make_harness()
+        harness.weights_profile = cls.weights_profile
         try:
             harness.prestart(need for item in cls._cases_to_run(request.session)
                              for need in cls._case_processes().get(item.originalname, ()))
@@ -232,10 +237,10 @@ class _ConformanceBase:
         self, harness: SyncHarness
     ) -> None:
         manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
-        harness.set_weights(seed=7)
+        dtype = harness.set_weights(seed=7)["model.embed.weight"][1].removeprefix("torch.")
         manager.update_weights_sync(global_steps=7)
         harness.set_weights(seed=8, faults=Faults(reshape="model.embed.weight"))
-        pattern = r"'model\.embed\.weight' changed from shape \[97, 33\] float32 to shape \[3201\]"
+        pattern = rf"'model\.embed\.weight' changed from shape \[97, 33\] {dtype} to shape \[3201\]"
         with pytest.raises(SyncStageError, match=pattern):
             manager.update_weights_sync(global_steps=8)
         assert all(8 not in report["global_steps"] for report in harness.reports())
@@ -392,7 +397,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
     def test_metrics_and_replica_lifecycle(self, harness: SyncHarness) -> None:
         expected = harness.set_weights(seed=22)
         metrics = harness.manager().update_weights_sync(global_steps=22)
-        sent = ray.get(harness.actors[0].set_weights.remote(22))
+        sent = ray.get(harness.actors[0].set_weights.remote(22, harness.weights_profile))
         assert metrics["weightsync/bytes"] == pytest.approx(sent, rel=0.01)
         assert metrics["weightsync/tensors"] == len(expected)
         for stage in ("prepare", "init_process_group", "transfer", "finalize", "total"):
@@ -549,7 +554,9 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
 
     def test_sender_that_dies_is_blamed(self, harness: SyncHarness) -> None:
         harness.set_weights(seed=12)
-        ray.get(harness.actors[0].set_weights.remote(12, faults=Faults(die_after=50)))
+        ray.get(harness.actors[0].set_weights.remote(
+            12, harness.weights_profile, Faults(die_after=50)
+        ))
         manager = harness.manager(sync_timeout_seconds=30)
         start = time.monotonic()
         try:

@@ -36,6 +36,9 @@ def make_weights(
             holds whole tensors a server reads straight out of it).
         ``large``: ``standard`` plus a tensor of about 1 GiB split over many buckets (not
             used by default: it is for manual runs).
+        ``rollout_floats``: ``standard`` less what an engine that casts every tensor to its
+            rollout dtype and holds each tensor in one bucket cannot deliver (verl's
+            Mooncake engine): its floating-point tensors under a bucket's size.
     """
     generator = torch.Generator().manual_seed(seed)
 
@@ -74,9 +77,12 @@ def make_weights(
         weights[f"model.tiny.{index}"] = randn(1 + index % 4)
     if profile == "large":
         weights["model.huge"] = randn(256 << 20)
+    elif profile == "rollout_floats":
+        weights = {name: tensor for name, tensor in weights.items()
+                   if tensor.is_floating_point() and tensor.nbytes < bucket_size}
     elif profile != "standard":
-        raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets "
-                         "or large")
+        raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets, "
+                         "large or rollout_floats")
     return weights
 
 
