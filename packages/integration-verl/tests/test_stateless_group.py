@@ -1,0 +1,91 @@
+"""weightsync's stand-in for vLLM's StatelessProcessGroup (what verl's Mooncake engine
+forms): the interface verl's engine uses, membership by the sync's key, and no code in what
+it decodes."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import torch
+
+from weightsync_core import new_session_key
+from weightsync_core.errors import GroupInitTimeoutError
+from weightsync_verl.stateless_group import (
+    Membership,
+    StatelessProcessGroup,
+    decode_object,
+    encode_object,
+    membership,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _form(port: int, rank: int, world_size: int, key: bytes, timeout: float = 10.0):
+    with membership(Membership(key, timeout, f"rank {rank}")):
+        return StatelessProcessGroup.create("127.0.0.1", port, rank, world_size)
+
+
+def _groups(world_size: int, key: bytes) -> list[StatelessProcessGroup]:
+    port = _free_port()
+    with ThreadPoolExecutor(world_size) as pool:
+        futures = [pool.submit(_form, port, rank, world_size, key) for rank in range(world_size)]
+        return [future.result(timeout=30) for future in futures]
+
+
+def test_verls_bucket_messages_travel_between_ranks_in_order() -> None:
+    groups = _groups(3, new_session_key())
+    meta = {"w": {"name": "w", "shape": torch.Size([2, 3]), "dtype": torch.bfloat16,
+                  "offset": 0}}
+    for step in range(3):
+        groups[0].send_obj({"bucket_meta": meta, "len": step, "is_last": step == 2}, 1)
+    received = [groups[1].recv_obj(0) for _ in range(3)]
+    assert [info["len"] for info in received] == [0, 1, 2]
+    assert received[0]["bucket_meta"] == meta
+    assert isinstance(received[0]["bucket_meta"]["w"]["shape"], torch.Size)
+    with ThreadPoolExecutor(3) as pool:
+        gathered = list(pool.map(lambda g: g.all_gather_obj({"rank": g.rank}), groups))
+    assert gathered == [[{"rank": 0}, {"rank": 1}, {"rank": 2}]] * 3
+
+
+def test_a_process_without_the_sync_key_cannot_join() -> None:
+    port = _free_port()
+    with ThreadPoolExecutor(2) as pool:
+        owner = pool.submit(_form, port, 0, 2, new_session_key(), 3.0)
+        stranger = pool.submit(_form, port, 1, 2, new_session_key(), 3.0)
+        for attempt in (owner, stranger):
+            with pytest.raises(GroupInitTimeoutError):
+                attempt.result(timeout=30)
+
+
+def test_the_group_forms_only_inside_a_sync() -> None:
+    with pytest.raises(RuntimeError, match="inside a weightsync sync"):
+        StatelessProcessGroup.create("127.0.0.1", _free_port(), 0, 1)
+
+
+def test_decoding_never_unpickles() -> None:
+    payload = pickle.dumps({"ptr": 1})
+    with pytest.raises(msgspec.DecodeError):
+        decode_object(payload)
+    assert decode_object(encode_object({"dtype": torch.float16})) == {"dtype": torch.float16}
+    not_a_dtype = msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"nn"))
+    with pytest.raises(ValueError, match="names no torch dtype"):
+        decode_object(not_a_dtype)
+
+
+def test_an_object_larger_than_a_store_request_arrives_whole() -> None:
+    groups = _groups(2, new_session_key())
+    meta = {f"tiny.{index}": {"name": f"tiny.{index}", "shape": torch.Size([index % 7]),
+                              "dtype": torch.bfloat16, "offset": 16 * index}
+            for index in range(3000)}
+    assert len(encode_object(meta)) > 64 << 10
+    groups[1].send_obj(meta, 0)
+    assert groups[0].recv_obj(1) == meta
