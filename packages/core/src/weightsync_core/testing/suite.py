@@ -474,8 +474,14 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 helper.join(60)
         elapsed = time.monotonic() - start
         assert info.value.stage == "transfer", str(info.value)
-        assert info.value.worker == "rollout rank 1 (replica 1, worker 0)", str(info.value)
+        assert info.value.worker == self._broken_worker(healthy), str(info.value)
         return manager, healthy, broken, info.value, elapsed
+
+    @staticmethod
+    def _broken_worker(healthy: RayRolloutReplica) -> str:
+        """How the manager names the broken replica's worker: replica 1, after ``healthy``'s
+        workers in rollout rank order (rollout rank 1 where the healthy replica has one)."""
+        return f"rollout rank {len(healthy.workers)} (replica 1, worker 0)"
 
     def _detected(self, case: str, elapsed: float, bound: float, error: Exception) -> None:
         """Print how long detection took (the figures in the READMEs) and check the bound."""
@@ -494,8 +500,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncTimeoutError, timeout=8, stall_after=5
         )
-        assert "rollout rank 1 (replica 1, worker 0) stopped making progress" in str(error)
-        assert "rollout rank 1 (replica 1, worker 0)" in error.pending
+        assert f"{self._broken_worker(healthy)} stopped making progress" in str(error)
+        assert self._broken_worker(healthy) in error.pending
         self._detected("stalled receiver", elapsed, 8 + 2, error)
         assert manager.stale_replicas == [healthy, broken]
         ray.kill(broken.workers[0])
@@ -528,7 +534,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
         assert frozen, "the receiver finished before it could be frozen"
-        assert "rollout rank 1 (replica 1, worker 0) stopped responding" in str(error)
+        assert f"{self._broken_worker(healthy)} stopped responding" in str(error)
         self._detected("frozen receiver (SIGSTOP)", elapsed, 8 + 2, error)
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
@@ -537,7 +543,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncTimeoutError, timeout=6, delay_per_tensor=1.0
         )
-        assert "rollout rank 1 (replica 1, worker 0) stopped making progress" in str(error)
+        assert f"{self._broken_worker(healthy)} stopped making progress" in str(error)
         self._detected("slow receiver", elapsed, 6 + 2, error)
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
@@ -548,7 +554,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncStageError, timeout=30, die_after=5
         )
-        assert "rollout rank 1 (replica 1, worker 0) died" in str(error)
+        assert f"{self._broken_worker(healthy)} died" in str(error)
         self._detected("killed receiver", elapsed, 30 / 2, error)
         self._survivors_sync(harness, manager, healthy, broken)
 
