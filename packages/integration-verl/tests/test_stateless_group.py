@@ -12,8 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from weightsync_core import new_session_key
-from weightsync_core.errors import GroupInitTimeoutError
+from weightsync_core import GroupInitTimeoutError, new_session_key
 from weightsync_verl.stateless_group import (
     Membership,
     StatelessProcessGroup,
