@@ -235,19 +235,19 @@ class StatelessProcessGroup:
             self._store.client.set(f"{key}/{index}", part)
         self._store.client.set(key, str(len(parts)))  # last: the parts are there once it is
 
-    def _parts(self, key: str) -> int:
+    def _get(self, key: str) -> bytes:
+        return self._read(key)[0]
+
+    def _take(self, key: str) -> bytes:
+        value, names = self._read(key)
+        for name in names:
+            self._store.client.deleteKey(name)
+        return value
+
+    def _read(self, key: str) -> tuple[bytes, list[str]]:
+        """The value under ``key`` and the store keys that hold it."""
         count = self._store.client.get(key)
         if not count.isdigit():
             raise ValueError(f"group key {key!r} holds {count[:20]!r}, not a count of parts")
-        return int(count)
-
-    def _get(self, key: str) -> bytes:
-        return b"".join(self._store.client.get(f"{key}/{index}")
-                        for index in range(self._parts(key)))
-
-    def _take(self, key: str) -> bytes:
-        count = self._parts(key)
-        value = b"".join(self._store.client.get(f"{key}/{index}") for index in range(count))
-        for name in [key, *(f"{key}/{index}" for index in range(count))]:
-            self._store.client.deleteKey(name)
-        return value
+        parts = [f"{key}/{index}" for index in range(int(count))]
+        return b"".join(self._store.client.get(part) for part in parts), [key, *parts]
