@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from weightsync_core.testing import CheckpointEngineConformanceTests
+from weightsync_core.testing import CheckpointEngineConformanceTests, DeltaSyncConformanceTests
 
 
 def _npus() -> int:
@@ -17,7 +17,7 @@ def _npus() -> int:
 
 
 @pytest.mark.skipif(_npus() < 2, reason="needs torch_npu and 2+ Ascend NPUs")
-class TestHCCLConformance(CheckpointEngineConformanceTests):
+class TestHCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
     backend = "hccl"
     actor_world_size = 1
     replica_sizes = (1,)

@@ -1,9 +1,15 @@
 """The core conformance suite for ``mooncake`` over TCP between real Ray actor processes."""
 
-from weightsync_core.testing import CheckpointEngineConformanceTests, ControlFrameReplayTests
+from weightsync_core.testing import (
+    CheckpointEngineConformanceTests,
+    ControlFrameReplayTests,
+    DeltaSyncConformanceTests,
+)
 
 
-class TestMooncakeConformance(CheckpointEngineConformanceTests, ControlFrameReplayTests):
+class TestMooncakeConformance(
+    CheckpointEngineConformanceTests, ControlFrameReplayTests, DeltaSyncConformanceTests
+):
     """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP;
     includes a tensor 5x the bucket size (chunked, not refused)."""
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from weightsync_core.spi import BucketPacker, BucketUnpacker, device_checksum
-from weightsync_core.testing import CheckpointEngineConformanceTests, digests, make_weights
+from weightsync_core.testing import (
+    CheckpointEngineConformanceTests,
+    DeltaSyncConformanceTests,
+    digests,
+    make_weights,
+)
 
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(
@@ -34,7 +39,7 @@ def test_bucket_packing_on_one_gpu_is_bit_exact():
 
 
 @two_gpus
-class TestNCCLConformance(CheckpointEngineConformanceTests):
+class TestNCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
     backend = "nccl"
     actor_world_size = 1
     replica_sizes = (1,)

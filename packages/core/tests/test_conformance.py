@@ -5,10 +5,11 @@ import pytest
 from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ColocatedEngineConformanceTests,
+    DeltaSyncConformanceTests,
 )
 
 
-class TestGlooConformance(CheckpointEngineConformanceTests):
+class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
     backend = "gloo"
 
 

@@ -105,7 +105,8 @@ def test_the_check_sees_every_form_of_import():
 
 # -- core's three layers ------------------------------------------------------------------
 
-ORCHESTRATION = {"manager", "stages", "blame", "ray_group", "deployment", "local_ray"}
+ORCHESTRATION = {"manager", "stages", "blame", "ray_group", "deployment", "local_ray",
+                 "delta_ledger"}
 """Layer 2, orchestration on Ray (modules of ``weightsync_core``)."""
 
 TOOLS = {"plan", "bench", "cli", "testing"}

@@ -119,6 +119,11 @@ class CheckpointEngine(ABC):
     is_colocated: ClassVar[bool] = False
     """True for engines where actor and rollout share one process (no transfer)."""
 
+    supports_delta: ClassVar[bool] = False
+    """True for engines that move delta syncs (``CheckpointEngineConfig.delta``): one actor
+    rank reads the weight stream and sends it (:meth:`sends_weights`), and every tensor
+    reaches every rollout worker as sent (``uint8`` patches included)."""
+
     options_class: ClassVar[type[EngineOptions]] = EngineOptions
     """The engine's typed options; a subclass with options of its own sets a subclass of
     :class:`~weightsync_core.options.EngineOptions` here."""
@@ -242,6 +247,12 @@ class CheckpointEngine(ABC):
     def sync_progress(self) -> dict[str, Any]:
         """What this process is doing in the current sync (see :class:`SyncProgress`)."""
         return self.progress.snapshot()
+
+    def sends_weights(self) -> bool:
+        """Whether this process's :meth:`send_weights` sends what it reads (after
+        :meth:`init_process_group`); False on actor ranks that only drain their iterator.
+        Delta sync keeps a baseline only where this is True. By default True."""
+        return True
 
     def bucket_checksum(self, data: torch.Tensor) -> int:
         """Checksum of a bucket's used bytes, for verification (computed where they live:

@@ -63,6 +63,14 @@ class CheckpointEngineConfig:
         verify: receivers check names, shapes, dtypes and a per-bucket checksum against the
             sender's manifest and fail loudly on any mismatch.
         rollout_dtype: if set, floating-point tensors are cast to this dtype before sending.
+        delta: after a full sync, send per tensor only what differs bitwise from the version
+            every receiver of the sync holds (a patch; the whole tensor where a patch would
+            be larger), and check every rebuilt tensor whole against the sender's digest
+            before the server sees it. A sync that any receiver could not apply (a new or
+            restarted replica, one whose last sync failed) is a full one. The sending actor
+            rank and every rollout worker keep a host copy of the last version (rollout
+            dtype). Backends whose engine says ``supports_delta``.
+        full_verify_every: with ``delta``, make every Nth sync a full one (0: never).
     """
 
     backend: str = "naive"
@@ -72,6 +80,8 @@ class CheckpointEngineConfig:
     sync_timeout_seconds: float = 600.0
     verify: bool = True
     rollout_dtype: str | None = None
+    delta: bool = False
+    full_verify_every: int = 0
 
     def __post_init__(self) -> None:
         from weightsync_core.plugins import trusted_module_prefixes
@@ -103,6 +113,12 @@ class CheckpointEngineConfig:
                 "{'gloo': {'host': '127.0.0.1'}}"
             )
         parse_dtype(self.rollout_dtype)
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"delta must be True or False, got {self.delta!r}")
+        every = self.full_verify_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError("full_verify_every must be an integer >= 0 (every Nth delta-enabled "
+                             f"sync is a full one; 0: never), got {every!r}")
         self.check_engine_options()
 
     def check_engine_options(self) -> None:

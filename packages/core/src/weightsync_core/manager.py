@@ -19,6 +19,8 @@ from weightsync_core.base import CheckpointEngineWithCache
 from weightsync_core.blame import describe_exception, metadata_culprit
 from weightsync_core.blocking import retrieve_exception
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.delta import DeltaPlan
+from weightsync_core.delta_ledger import DeltaLedger
 from weightsync_core.errors import MetadataError, SyncStageError
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica
@@ -170,6 +172,16 @@ class CheckpointEngineManager:
         load_custom_backend_module(config.custom_backend_module, config.trusted_modules)
         self.backend_cls = CheckpointEngineRegistry.get(config.backend)
         self.backend_cls.check_options(config.active_engine_kwargs, config.backend)
+        if config.delta and not self.backend_cls.supports_delta:
+            why = (" (a colocated engine moves no bytes)" if self.backend_cls.is_colocated
+                   else "")
+            raise ValueError(
+                f"delta=True: backend {config.backend!r} does not move delta syncs{why}; its "
+                "engine does not set supports_delta. Set delta=False, or use a backend that "
+                "does (gloo, nccl, hccl, nixl, mooncake)"
+            )
+        self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
+        """Which version each replica holds, where ``config.delta`` is set."""
         self.actor_wg = actor_wg
         self.replicas: list[RolloutReplica] = []
         self.stale_replicas: list[RolloutReplica] = []
@@ -213,6 +225,8 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
+            if self.delta_ledger is not None:
+                self.delta_ledger.forget([replica])
         self._addresses.clear()  # rollout ranks are renumbered
 
     def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
@@ -301,9 +315,12 @@ class CheckpointEngineManager:
         the changed tensor is loaded), unless ``allow_manifest_change`` says the model's
         layout changed on purpose.
 
-        Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of the weights),
-        ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``, ``transfer_gbps``
-        and ``gbps`` (payload bytes per second).
+        Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of what the sender
+        sent), ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``,
+        ``transfer_gbps`` and ``gbps`` (payload bytes per second). With ``config.delta``
+        also ``delta`` (1 for a sync of patches, 0 for a full one), ``model_bytes`` (the
+        weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
+        ``seconds/diff`` (the sender's diffing).
         """
         return await self._update_weights(global_steps, allow_manifest_change)
 
@@ -358,7 +375,10 @@ class CheckpointEngineManager:
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
         paused = replicas if not self.backend_cls.is_colocated else []
-        options = {"allow_manifest_change": True} if allow_manifest_change else {}
+        options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
+        plan = self._delta_plan(replicas, from_cache, allow_manifest_change)
+        if plan is not None:
+            options.update(delta_base=plan.base, delta_version=plan.version)
         try:
             await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"))
             await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"))
@@ -370,6 +390,8 @@ class CheckpointEngineManager:
                 )
             self._check_tensors_moved(sent)
         except BaseException as exc:
+            if self.delta_ledger is not None:
+                self.delta_ledger.failed(replicas)
             error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
             await asyncio.shield(self._recover(error, replicas))
             if error is exc or isinstance(exc, asyncio.CancelledError):
@@ -378,11 +400,23 @@ class CheckpointEngineManager:
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
+        if self.delta_ledger is not None:
+            if plan is None:  # loaded from the cache: no copy kept for deltas
+                self.delta_ledger.forget(replicas)
+            else:
+                self.delta_ledger.succeeded(replicas, plan)
         await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
                          min_seconds=_CLEANUP_SECONDS)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
                          min_seconds=_CLEANUP_SECONDS)
-        return self._sync_metrics(stages, sent, len(replicas))
+        return self._sync_metrics(stages, sent, len(replicas), plan)
+
+    def _delta_plan(self, replicas: list[RolloutReplica], from_cache: bool,
+                    allow_manifest_change: bool) -> DeltaPlan | None:
+        """This sync's delta plan (None: not delta-enabled, or a load from the cache)."""
+        if self.delta_ledger is None or from_cache:
+            return None
+        return self.delta_ledger.plan(replicas, force_full=allow_manifest_change)
 
     async def _hand_over_in_process(
         self, stages: SyncStages, global_steps: int | None, options: dict[str, Any]
@@ -513,10 +547,13 @@ class CheckpointEngineManager:
 
     @staticmethod
     def _sync_metrics(
-        stages: SyncStages, sent: list[dict[str, Any]], replicas: int
+        stages: SyncStages, sent: list[dict[str, Any]], replicas: int,
+        plan: DeltaPlan | None = None,
     ) -> dict[str, float]:
         """The stages' timings and what the sync moved (see :meth:`update_weights`)."""
         metrics = dict(stages.metrics)
+        if plan is not None:
+            metrics.update(_delta_metrics(sent, plan))
         total = stages.elapsed()
         nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
@@ -608,6 +645,20 @@ class CheckpointEngineManager:
             return  # its replicas were never paused
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
         await self._finish_cleanup([_resume(replica) for replica in untouched])
+
+
+def _delta_metrics(sent: list[dict[str, Any]], plan: DeltaPlan) -> dict[str, float]:
+    """What the sending rank of a delta-enabled sync reported: whether it sent deltas, the
+    weights' size, the fraction of elements that changed, the seconds spent diffing."""
+    reported = next((result for result in sent if "delta_elements" in result), {})
+    elements = reported.get("delta_elements", 0.0)
+    return {
+        "weightsync/delta": 1.0 if plan.is_delta else 0.0,
+        "weightsync/model_bytes": reported.get("delta_model_bytes", 0.0),
+        "weightsync/changed_fraction": (
+            reported.get("delta_changed", 0.0) / elements if elements else 0.0),
+        "weightsync/seconds/diff": reported.get("delta_seconds", 0.0),
+    }
 
 
 def _abort_calls(

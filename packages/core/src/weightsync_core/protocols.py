@@ -36,13 +36,15 @@ class CheckpointEngineWorkerGroup(Protocol):
         ...
 
     def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
     ) -> list[Any]:
         """Run each rank's side of the transfer (send on actor ranks, receive on rollout).
 
         The manager passes ``allow_manifest_change=True`` (forward it to each rank's
         ``update_weights``) only when its caller announced a change of the model's layout;
-        a group that never sees it may omit the parameter."""
+        a group that never sees it may omit the parameter. Likewise ``delta_base`` and
+        ``delta_version`` (forward them as they are), only where ``config.delta`` is set."""
         ...
 
 

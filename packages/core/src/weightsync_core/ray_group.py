@@ -57,10 +57,11 @@ class RayWorkerGroup:
         ]
 
     def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
     ) -> list[Any]:
         return [self.remote_method(worker, "update_weights").remote(
-                    global_steps, allow_manifest_change) for worker in self.workers]
+                    global_steps, allow_manifest_change, **delta) for worker in self.workers]
 
     def update_weights_from_cache(self, global_steps: int | None = None) -> list[Any]:
         """Rollout workers only: load the actor side's cached weights (kimi)."""

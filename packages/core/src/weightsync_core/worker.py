@@ -20,6 +20,7 @@ from weightsync_core.base import (
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender
 from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
@@ -34,6 +35,7 @@ __all__ = [
     "build_engine",
     "check_on_this_machine",
     "close_engine",
+    "delta_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,6 +129,20 @@ async def _execute(engine: CheckpointEngine, method: str, kwargs: dict[str, Any]
         return await run_blocking(function, **kwargs)
     result = function(**kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+def delta_plan(delta_base: str | None, delta_version: str | None) -> DeltaPlan | None:
+    """The delta plan the manager handed a process for this sync: None where the sync is
+    not delta-enabled (``delta_version`` None).
+
+    Raises:
+        ValueError: a ``delta_base`` without a ``delta_version``.
+    """
+    if delta_version is None:
+        if delta_base is not None:
+            raise ValueError("delta_base needs a delta_version (the version this sync makes)")
+        return None
+    return DeltaPlan(version=delta_version, base=delta_base)
 
 
 def _written_for_verl(engine: CheckpointEngine) -> bool:
@@ -297,6 +313,7 @@ class CheckpointEngineWorker:
         self.weights_version: int | None = None
         self.update_complete = True
         self.manifest_guard = ManifestGuard()
+        self.delta_receiver = DeltaReceiver()
 
     def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
         """This worker's server adapter, which must be a ``kind``.
@@ -319,14 +336,28 @@ class CheckpointEngineWorker:
         return await _execute(self.checkpoint_engine, method, kwargs)
 
     async def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
     ) -> dict[str, float]:
         """Receive one version of the weights and load it into the server. Unless
         ``allow_manifest_change``, a tensor whose name, shape or dtype differs from the
-        previous update's is refused (:class:`~weightsync_core.errors.ManifestChangedError`)."""
+        previous update's is refused (:class:`~weightsync_core.errors.ManifestChangedError`).
+
+        ``delta_version`` (a delta-enabled sync, from the manager): keep a host copy of what
+        arrives as that version; with ``delta_base``, what arrives are patches against the
+        version of that token, which this worker must hold
+        (:class:`~weightsync_core.delta.DeltaReceiver`)."""
         engine = self.checkpoint_engine
-        return await self._load(engine.receive_weights(global_steps), global_steps,
-                                allow_manifest_change)
+        weights = engine.receive_weights(global_steps)
+        plan = delta_plan(delta_base, delta_version)
+        if plan is None:
+            self.delta_receiver.forget()
+        else:
+            weights = self.delta_receiver.decode(weights, plan)
+        stats = await self._load(weights, global_steps, allow_manifest_change)
+        if plan is not None:
+            stats.update(self.delta_receiver.last_stats.as_dict())
+        return stats
 
     async def update_weights_from_cache(
         self, global_steps: int | None = None, allow_manifest_change: bool = False
@@ -338,6 +369,7 @@ class CheckpointEngineWorker:
                 f"backend {self.config.backend!r} keeps no cache of the latest weights; "
                 "new replicas get them from the next update_weights"
             )
+        self.delta_receiver.forget()
         return await self._load(engine.get_weights(), global_steps, allow_manifest_change)
 
     async def _load(
@@ -355,8 +387,11 @@ class CheckpointEngineWorker:
         return stats.as_dict()
 
     def weights_status(self) -> dict[str, Any]:
-        """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
-        return {"version": self.weights_version, "complete": self.update_complete}
+        """``{"version": ..., "complete": ..., "delta_version": ...}`` of the weights this
+        worker serves (``delta_version``: the token of the version it holds a copy of for
+        delta syncs, or None)."""
+        return {"version": self.weights_version, "complete": self.update_complete,
+                "delta_version": self.delta_receiver.version}
 
     async def _adapter_call(self, method: str) -> None:
         function = getattr(self.server_adapter, method, None)
@@ -413,6 +448,7 @@ class ActorCheckpointEngineMixin:
         self.checkpoint_engine_config = config
         self.colocated_server_adapter = server_adapter
         self.colocated_manifest_guard = ManifestGuard()
+        self.delta_sender = DeltaSender()
 
     def iter_weights(self) -> WeightsSource:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
@@ -428,17 +464,28 @@ class ActorCheckpointEngineMixin:
         return await _execute(self.checkpoint_engine, method, kwargs)
 
     async def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
     ) -> dict[str, float]:
         """Send this rank's weights (and, colocated, load them into the local server, where
-        ``allow_manifest_change`` applies as on :class:`CheckpointEngineWorker`)."""
+        ``allow_manifest_change`` applies as on :class:`CheckpointEngineWorker`).
+
+        ``delta_version`` (a delta-enabled sync, from the manager): where this rank sends
+        (:meth:`~weightsync_core.base.CheckpointEngine.sends_weights`), keep a host copy of
+        what it sends as that version; with ``delta_base``, send patches against the version
+        of that token (:class:`~weightsync_core.delta.DeltaSender`)."""
         engine = self.checkpoint_engine
         taken = TransferStats()
-        stats = await engine.send_weights(
-            _ProducedWeights(self.iter_weights(), engine.progress, taken,
-                             contiguous=_written_for_verl(engine)),
-            global_steps,
-        )
+        weights: Any = _ProducedWeights(self.iter_weights(), engine.progress, taken,
+                                        contiguous=_written_for_verl(engine))
+        plan = delta_plan(delta_base, delta_version)
+        encoding = plan is not None and engine.sends_weights()
+        if plan is not None and encoding:
+            weights = self.delta_sender.encode(
+                weights, plan, parse_dtype(self.checkpoint_engine_config.rollout_dtype))
+        else:
+            self.delta_sender.forget()
+        stats = await engine.send_weights(weights, global_steps)
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             if not taken.num_tensors:  # it would only end the sync, blaming the receivers
                 raise EmptyWeightsError(
@@ -456,4 +503,7 @@ class ActorCheckpointEngineMixin:
                 self.colocated_server_adapter, engine.receive_weights(global_steps), global_steps,
                 guard, engine.progress,
             )
-        return stats.as_dict()
+        result = stats.as_dict()
+        if encoding:
+            result.update(self.delta_sender.last_stats.as_dict())
+        return result

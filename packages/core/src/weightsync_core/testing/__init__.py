@@ -15,8 +15,10 @@ from weightsync_core.testing.weights import Faults, digest, digests, make_weight
 
 _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
           "ControlFrameReplayTests")
+_DELTA_SUITE = ("DeltaSyncConformanceTests",)
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
+    from weightsync_core.testing.delta_suite import DeltaSyncConformanceTests
     from weightsync_core.testing.suite import (
         CheckpointEngineConformanceTests,
         ColocatedEngineConformanceTests,
@@ -25,7 +27,7 @@ if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when ask
 
 __all__ = [
     "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
-    "ControlFrameReplayTests", "Faults",
+    "ControlFrameReplayTests", "DeltaSyncConformanceTests", "Faults",
     "Placement", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights",
     "user_ray_cluster",
 ]
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from weightsync_core.testing import suite
 
         return getattr(suite, name)
+    if name in _DELTA_SUITE:
+        from weightsync_core.testing import delta_suite
+
+        return getattr(delta_suite, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

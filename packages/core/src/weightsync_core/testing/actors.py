@@ -25,6 +25,7 @@ from weightsync_core.testing.weights import (
     digest,
     faulty_stream,
     make_weights,
+    sparse_updates,
 )
 from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
@@ -187,6 +188,12 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
             "pid": os.getpid(),
         }
 
+    def tamper_delta_baseline(self, name: str) -> None:
+        """Flip one bit of this worker's copy of ``name`` for delta syncs (its copy then
+        differs from the sender's, as after a bug or a bad memory cell)."""
+        baseline = self.delta_receiver.baselines[name]
+        baseline.reshape(-1).view(torch.uint8)[0] ^= 1
+
     def _recorder(self) -> RecordingServerAdapter:
         return self.server_adapter_of(RecordingServerAdapter)
 
@@ -204,10 +211,14 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         self.init_checkpoint_engine(config, self.colocated_adapter)
 
     def set_weights(
-        self, seed: int, profile: str = "standard", faults: Faults | None = None
+        self, seed: int, profile: str = "standard", faults: Faults | None = None,
+        updates: Sequence[tuple[int, float]] = (),
     ) -> int:
-        """Regenerate the weights from ``seed``; returns their total size in bytes."""
-        self.weights = make_weights(seed, self.config.bucket_size_bytes, profile)
+        """Regenerate the weights from ``seed``, then apply the sparse ``updates``
+        (:func:`~weightsync_core.testing.weights.sparse_updates`); returns their total size
+        in bytes."""
+        self.weights = sparse_updates(
+            make_weights(seed, self.config.bucket_size_bytes, profile), updates)
         self.faults = faults or Faults()
         return sum(t.numel() * t.element_size() for t in self.weights.values())
 

@@ -15,7 +15,13 @@ from weightsync_core.deployment import Deployment, Placement
 from weightsync_core.local_ray import ensure_ray
 from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
-from weightsync_core.testing.weights import Faults, TensorDigest, digests, make_weights
+from weightsync_core.testing.weights import (
+    Faults,
+    TensorDigest,
+    digests,
+    make_weights,
+    sparse_updates,
+)
 
 __all__ = ["Placement", "SyncHarness", "ensure_ray"]
 
@@ -146,13 +152,18 @@ class SyncHarness(Deployment):
     (:func:`~weightsync_core.testing.weights.make_weights`)."""
 
     def set_weights(
-        self, seed: int, profile: str | None = None, faults: Faults | None = None
+        self, seed: int, profile: str | None = None, faults: Faults | None = None,
+        updates: Sequence[tuple[int, float]] = (),
     ) -> dict[str, TensorDigest]:
         """Give every actor rank the weights of ``seed`` (of ``profile``, by default
-        :attr:`weights_profile`); return the digests receivers should report."""
+        :attr:`weights_profile`) after the sparse ``updates``
+        (:func:`~weightsync_core.testing.weights.sparse_updates`); return the digests
+        receivers should report."""
         profile = profile or self.weights_profile
-        ray.get([actor.set_weights.remote(seed, profile, faults) for actor in self.actors])
-        weights = make_weights(seed, self.config.bucket_size_bytes, profile)
+        ray.get([actor.set_weights.remote(seed, profile, faults, updates)
+                 for actor in self.actors])
+        weights = sparse_updates(
+            make_weights(seed, self.config.bucket_size_bytes, profile), updates)
         return digests(weights, parse_dtype(self.config.rollout_dtype))
 
     def reports(self, replicas: Sequence[RayRolloutReplica] | None = None) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +11,16 @@ import xxhash
 
 from weightsync_core.bucketing import as_bytes, cast_for_rollout
 
-__all__ = ["Faults", "TensorDigest", "digest", "digests", "faulty_stream", "make_weights"]
+__all__ = [
+    "ONE_ELEMENT",
+    "Faults",
+    "TensorDigest",
+    "digest",
+    "digests",
+    "faulty_stream",
+    "make_weights",
+    "sparse_updates",
+]
 
 TensorDigest = tuple[tuple[int, ...], str, int]
 """``(shape, dtype name, xxh3 of the bytes)`` of one tensor."""
@@ -84,6 +93,48 @@ def make_weights(
         raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets, "
                          "large or rollout_floats")
     return weights
+
+
+ONE_ELEMENT = -1.0
+"""A :func:`sparse_updates` fraction that changes exactly one element of each tensor."""
+
+
+def sparse_updates(
+    weights: Mapping[str, torch.Tensor], updates: Sequence[tuple[int, float]]
+) -> dict[str, torch.Tensor]:
+    """``weights`` after each ``(seed, fraction)`` update in turn, as an optimizer step
+    leaves rollout weights: about ``fraction`` of each tensor's elements (chosen from
+    ``seed``) get new values (``0.0``: none, ``1.0``: all, :data:`ONE_ELEMENT`: one); the
+    rest stay bitwise the same. Deterministic: every caller gets the same tensors."""
+    updated = dict(weights)
+    for seed, fraction in updates:
+        generator = torch.Generator().manual_seed(seed)
+        for name, tensor in updated.items():
+            updated[name] = _updated(tensor, fraction, generator)
+    return updated
+
+
+def _updated(tensor: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    flat = tensor.contiguous().reshape(-1).clone()
+    count = flat.numel()
+    if count == 0 or fraction == 0.0:
+        return flat.reshape(tensor.shape)
+    if fraction == ONE_ELEMENT:
+        mask = torch.zeros(count, dtype=torch.bool)
+        mask[int(torch.randint(0, count, (1,), generator=generator))] = True
+    else:
+        mask = torch.rand(count, generator=generator) < fraction
+    changed = int(mask.sum())
+    if flat.dtype == torch.bool:
+        flat[mask] = ~flat[mask]
+    elif flat.is_floating_point():
+        wide = flat.to(torch.float64)
+        wide[mask] = wide[mask] + 1.0 + torch.rand(changed, generator=generator,
+                                                   dtype=torch.float64)
+        flat = wide.to(flat.dtype)
+    else:
+        flat[mask] = flat[mask] ^ 1
+    return flat.reshape(tensor.shape)
 
 
 def digest(tensor: torch.Tensor) -> TensorDigest:

@@ -68,6 +68,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
             :class:`~weightsync_core.base.CheckpointEngine`'s arguments.
     """
 
+    supports_delta: ClassVar[bool] = True
     device_type: ClassVar[str] = "cpu"
     options_class = CollectiveBroadcastOptions
     options: CollectiveBroadcastOptions
@@ -174,6 +175,10 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
             timeout=self.timeout, new_data_group=self.new_data_group,
         )
         self._healthy = True
+
+    def sends_weights(self) -> bool:
+        """Only actor rank 0 (group rank 0) reads and sends the weights."""
+        return self.rank == 0
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None

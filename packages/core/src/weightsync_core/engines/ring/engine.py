@@ -8,7 +8,7 @@ import contextlib
 import time
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,6 +59,7 @@ class RingCheckpointEngine(CheckpointEngine):
 
     options_class = RingOptions
     options: RingOptions
+    supports_delta: ClassVar[bool] = True
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -141,6 +142,10 @@ class RingCheckpointEngine(CheckpointEngine):
         self._placement = placement
         if position >= 0:
             self.local_slots.resize(2 if position == 0 else self.slots)
+
+    def sends_weights(self) -> bool:
+        """Only the ring's head (the first actor rank) reads and sends the weights."""
+        return self._placement is not None and self._placement.position == 0
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None

@@ -1,0 +1,221 @@
+"""Delta sync's two ends: a sender that turns a weight stream into patches against the
+version every receiver holds, and a receiver that rebuilds whole tensors from them.
+
+Both keep a host copy of the last version they sent or received (in the rollout dtype) and
+the version's token. A sync names the token its deltas are against (``base``; None for a
+full sync) and the token of the version it makes (``version``). Either side forgets its
+token when a sync starts and learns the new one only when the sync's stream ended
+complete, so a sync that fails mid-way leaves no one claiming a version they may hold only
+in part: the next sync is a full one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync_core.bucketing import cast_for_rollout, iter_named_tensors
+from weightsync_core.delta.patch import PatchDigestError, apply_patch, encode_patch
+from weightsync_core.errors import ManifestChangedError, VerificationError, WeightSyncError
+
+__all__ = ["DeltaBaselineError", "DeltaPlan", "DeltaReceiver", "DeltaSender", "DeltaStats"]
+
+
+class DeltaBaselineError(WeightSyncError):
+    """A process was asked to send or apply deltas against a version it does not hold."""
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """One sync's versions: ``base``, the token of the version every receiver holds (None:
+    send whole tensors), and ``version``, the token of the version this sync makes."""
+
+    version: str
+    base: str | None = None
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether tensors travel as patches against ``base``."""
+        return self.base is not None
+
+
+@dataclass
+class DeltaStats:
+    """What one side of a delta-enabled sync saw: elements compared and changed, bytes of
+    the weights and of what travelled, seconds spent diffing (or applying)."""
+
+    elements: int = 0
+    changed: int = 0
+    model_bytes: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers for metrics (``delta_`` prefixed)."""
+        return {
+            "delta_elements": float(self.elements),
+            "delta_changed": float(self.changed),
+            "delta_model_bytes": float(self.model_bytes),
+            "delta_wire_bytes": float(self.wire_bytes),
+            "delta_seconds": self.seconds,
+        }
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` in host memory (a baseline)."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+class _Versioned:
+    """The baselines and token one side keeps."""
+
+    def __init__(self) -> None:
+        self.baselines: dict[str, torch.Tensor] = {}
+        self.version: str | None = None
+        self.last_stats = DeltaStats()
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Host memory the baselines take."""
+        return sum(t.numel() * t.element_size() for t in self.baselines.values())
+
+    def forget(self) -> None:
+        """Drop the baselines and the token (the next sync must be full)."""
+        self.baselines = {}
+        self.version = None
+
+    def _begin(self, plan: DeltaPlan, who: str) -> DeltaStats:
+        if plan.is_delta and self.version != plan.base:
+            held = "no version" if self.version is None else f"version {self.version}"
+            self.forget()
+            raise DeltaBaselineError(
+                f"{who} holds {held}, but this sync sends deltas against version "
+                f"{plan.base}; nothing was applied, and the next sync is a full one"
+            )
+        self.version = None  # until this sync's stream ended complete
+        self.last_stats = DeltaStats()
+        return self.last_stats
+
+    def _end(self, plan: DeltaPlan, seen: set[str]) -> None:
+        for name in set(self.baselines) - seen:  # left the model (a full sync only)
+            del self.baselines[name]
+        self.version = plan.version
+
+
+class DeltaSender(_Versioned):
+    """The sending actor rank's side: keeps the last sent version (rollout dtype, host
+    memory) and encodes each new tensor as a patch against it."""
+
+    async def encode(
+        self, weights: AsyncIterable[tuple[str, torch.Tensor]], plan: DeltaPlan,
+        rollout_dtype: torch.dtype | None, who: str = "this actor rank",
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``weights`` as this sync sends them: cast to ``rollout_dtype``, then whole (a
+        full sync) or as patches (a delta sync; a ``uint8`` tensor per name).
+
+        Raises:
+            DeltaBaselineError: a delta sync against a version this sender does not hold.
+            ManifestChangedError: a delta sync meets a tensor that was not in the last
+                version, or whose shape or dtype changed (a change of layout needs a full
+                sync: ``allow_manifest_change=True``).
+        """
+        stats = self._begin(plan, who)
+        seen: set[str] = set()
+        async for name, tensor in iter_named_tensors(weights):
+            tensor = cast_for_rollout(tensor, rollout_dtype)
+            seen.add(name)
+            nbytes = tensor.numel() * tensor.element_size()
+            stats.elements += tensor.numel()
+            stats.model_bytes += nbytes
+            if not plan.is_delta:
+                self.baselines[name] = _host_copy(tensor)
+                stats.changed += tensor.numel()
+                stats.wire_bytes += nbytes
+                yield name, tensor
+                continue
+            start = time.perf_counter()
+            patch, patch_stats = encode_patch(tensor, self._baseline(name, tensor))
+            stats.seconds += time.perf_counter() - start
+            stats.changed += patch_stats.changed
+            stats.wire_bytes += patch_stats.nbytes
+            kind = patch_stats.kind.name.lower()
+            stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
+            yield name, patch
+        self._end(plan, seen)
+
+    def _baseline(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        old = self.baselines.get(name)
+        if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
+            self.forget()
+            was = ("was not in the last version" if old is None else
+                   f"changed from {list(old.shape)} {old.dtype} to {list(tensor.shape)} "
+                   f"{tensor.dtype}")
+            raise ManifestChangedError(
+                f"tensor {name!r} {was}: a delta sync needs the layout of the last one. If "
+                "the model's layout changed on purpose, pass allow_manifest_change=True "
+                "(that sync is a full one)", tensors=[name],
+            )
+        return old
+
+
+class DeltaReceiver(_Versioned):
+    """A rollout worker's side: keeps the last received version (host memory) and rebuilds
+    each tensor of a delta sync from its patch, checking the whole result against the
+    sender's digest before the server sees it."""
+
+    async def decode(
+        self, stream: AsyncIterator[tuple[str, torch.Tensor]], plan: DeltaPlan,
+        who: str = "this rollout worker",
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Whole tensors from what arrived. In a delta sync they are this receiver's own
+        copies, valid until the next sync changes them.
+
+        Raises:
+            DeltaBaselineError: a delta sync against a version this receiver does not hold
+                (raised before anything is applied).
+            VerificationError: a rebuilt tensor differs from the sender's, or a patch names
+                a tensor this receiver holds no copy of, or is no patch.
+        """
+        stats = self._begin(plan, who)
+        seen: set[str] = set()
+        async for name, tensor in stream:
+            seen.add(name)
+            stats.wire_bytes += tensor.numel() * tensor.element_size()
+            if plan.is_delta:
+                tensor = self._apply(name, tensor, who, stats)
+            else:
+                self.baselines[name] = tensor = _host_copy(tensor)
+                stats.changed += tensor.numel()
+            stats.elements += tensor.numel()
+            stats.model_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+        self._end(plan, seen)
+
+    def _apply(self, name: str, patch: torch.Tensor, who: str,
+               stats: DeltaStats) -> torch.Tensor:
+        baseline = self.baselines.get(name)
+        if baseline is None:
+            self.forget()
+            raise VerificationError(
+                f"{who}: the delta sync sent a patch for tensor {name!r}, of which it holds "
+                "no copy; it gets a full copy next sync", tensors=[name],
+            )
+        start = time.perf_counter()
+        try:
+            patch_stats = apply_patch(patch, baseline, name)
+        except PatchDigestError as exc:
+            self.forget()
+            raise VerificationError(
+                f"{who}: {exc}: its copy of the last version was not the sender's; it was "
+                "not loaded, and this worker gets a full copy next sync", tensors=[name],
+            ) from None
+        except ValueError as exc:
+            self.forget()
+            raise VerificationError(f"{who}: {exc}", tensors=[name]) from None
+        stats.seconds += time.perf_counter() - start
+        stats.changed += patch_stats.changed
+        return baseline

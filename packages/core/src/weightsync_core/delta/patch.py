@@ -1,0 +1,236 @@
+"""One tensor's delta: what differs bitwise from the receiver's copy, as one ``uint8`` tensor.
+
+A patch is a 32-byte header and a payload, each section padded to 8 bytes:
+
+- ``UNCHANGED``: no payload (the tensor is bitwise what the receiver holds);
+- ``POSITIONS``: the changed elements' flat positions (int32, or int64 past 2**31 elements),
+  then their new values;
+- ``BITMASK``: one bit per element (set where it changed), then the new values;
+- ``WHOLE``: the whole new tensor (where a delta would be larger).
+
+The encoder picks the smallest of the four for each tensor. Elements are compared as
+integers of their width (``float`` NaNs and ``-0.0`` compare by their bits). The header
+carries the digest of the *whole* new tensor, which the receiver checks after applying the
+patch to its copy: a receiver whose copy differs from the sender's fails, whatever the patch
+touched.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from weightsync_core.bucketing import as_bytes
+from weightsync_core.verification import device_checksum, host_checksum
+
+__all__ = [
+    "PATCH_HEADER_BYTES",
+    "PatchDigestError",
+    "PatchKind",
+    "PatchStats",
+    "apply_patch",
+    "encode_patch",
+    "tensor_digest",
+]
+
+_MAGIC = b"WSD1"
+_HEADER = struct.Struct("<4sBBxxQQQ")  # magic, kind, digest kind, numel, changed, digest
+PATCH_HEADER_BYTES = _HEADER.size
+_SECTION_ALIGNMENT = 8
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+class PatchKind(enum.IntEnum):
+    """How a patch encodes the changed elements."""
+
+    UNCHANGED = 0
+    POSITIONS = 1
+    BITMASK = 2
+    WHOLE = 3
+
+
+class _DigestKind(enum.IntEnum):
+    XXH3 = 0  # host tensors
+    DEVICE_SUM = 1  # device tensors: computed where they live
+
+
+@dataclass(frozen=True)
+class PatchStats:
+    """What one patch holds: ``changed`` of ``numel`` elements, ``nbytes`` on the wire."""
+
+    kind: PatchKind
+    numel: int
+    changed: int
+    nbytes: int
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view of a contiguous ``tensor``'s elements as integers of their width (bytes
+    for widths without an integer type)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    word = _WORDS.get(flat.element_size())
+    return flat.view(word) if word is not None else flat.view(torch.uint8)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _SECTION_ALIGNMENT) * _SECTION_ALIGNMENT
+
+
+def tensor_digest(tensor: torch.Tensor, kind: int | None = None) -> tuple[int, int]:
+    """``(digest kind, digest)`` of a tensor's bytes: xxh3 on the host, a position-weighted
+    sum on a device (no copy back); ``kind`` forces one (a receiver checks with the
+    sender's)."""
+    data = as_bytes(tensor)
+    if kind is None:
+        kind = _DigestKind.XXH3 if data.device.type == "cpu" else _DigestKind.DEVICE_SUM
+    if kind == _DigestKind.XXH3:
+        return kind, host_checksum(data)
+    if kind == _DigestKind.DEVICE_SUM:
+        return kind, device_checksum(data) & (2**64 - 1)
+    raise ValueError(f"unknown digest kind {kind}")
+
+
+def _section(payload: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``payload`` padded to the section alignment."""
+    padding = _padded(nbytes) - nbytes
+    if not padding:
+        return payload
+    return torch.cat([payload, payload.new_zeros(padding)])
+
+
+def _header(kind: PatchKind, digest: tuple[int, int], numel: int, changed: int,
+            device: torch.device) -> torch.Tensor:
+    raw = _HEADER.pack(_MAGIC, kind, digest[0], numel, changed, digest[1])
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, PatchStats]:
+    """The patch that turns ``old`` into ``new`` (same shape and dtype), and what it holds.
+    ``old`` is then updated to equal ``new`` (only the changed elements are written), so
+    that it is the baseline of the next patch.
+
+    Raises:
+        ValueError: the shapes or dtypes differ.
+    """
+    if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(f"a patch needs the same shape and dtype: new {list(new.shape)} "
+                         f"{new.dtype}, baseline {list(old.shape)} {old.dtype}")
+    new = new.detach().contiguous()
+    new_words = _words(new)
+    old_words = _words(old).to(new.device)
+    numel = new_words.numel()
+    word_bytes = new_words.element_size()
+    digest = tensor_digest(new)
+    changed_mask = new_words != old_words
+    positions = changed_mask.nonzero().reshape(-1)
+    changed = positions.numel()
+    position_dtype = torch.int32 if numel < 2**31 else torch.int64
+    sizes = {
+        PatchKind.UNCHANGED: 0 if changed == 0 else None,
+        PatchKind.POSITIONS: _padded(changed * position_dtype.itemsize)
+        + _padded(changed * word_bytes),
+        PatchKind.BITMASK: _padded(-(-numel // 8)) + _padded(changed * word_bytes),
+        PatchKind.WHOLE: _padded(numel * word_bytes),
+    }
+    kind = min((size, kind) for kind, size in sizes.items() if size is not None)[1]
+    header = _header(kind, digest, numel, changed, new.device)
+    if kind == PatchKind.UNCHANGED:
+        return header, PatchStats(kind, numel, 0, PATCH_HEADER_BYTES)
+    values = new_words[positions]
+    if kind == PatchKind.WHOLE:
+        sections = [_section(new_words.view(torch.uint8), numel * word_bytes)]
+    else:
+        if kind == PatchKind.POSITIONS:
+            where = positions.to(position_dtype).view(torch.uint8)
+        else:
+            where = _pack_bits(changed_mask)
+        sections = [_section(where, where.numel()),
+                    _section(values.view(torch.uint8), changed * word_bytes)]
+    old_words.index_copy_(0, positions, values)
+    if old_words.device != old.device:  # diffed where the new tensor lives
+        _words(old).copy_(old_words)
+    patch = torch.cat([header, *sections])
+    return patch, PatchStats(kind, numel, changed, patch.numel())
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as bits, eight to a byte, first element in the lowest bit."""
+    padding = -mask.numel() % 8
+    if padding:
+        mask = torch.cat([mask, mask.new_zeros(padding)])
+    weights = _BIT_WEIGHTS.to(mask.device)
+    return (mask.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    weights = _BIT_WEIGHTS.to(bits.device)
+    return (bits.reshape(-1, 1) & weights).ne(0).reshape(-1)[:numel]
+
+
+def _typed(section: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``section`` (``uint8``) read as ``dtype`` (copied where it is not aligned for it)."""
+    try:
+        return section.view(dtype)
+    except RuntimeError:
+        return section.clone().view(dtype)
+
+
+def apply_patch(patch: torch.Tensor, baseline: torch.Tensor, name: str) -> PatchStats:
+    """Apply ``patch`` to ``baseline`` (contiguous, in place), then check the whole result
+    against the sender's digest.
+
+    Raises:
+        ValueError: ``patch`` is no patch of a tensor of ``baseline``'s size (names ``name``).
+        PatchDigestError: the result differs from the sender's tensor (the baseline was not
+            the sender's).
+    """
+    if patch.dtype != torch.uint8 or patch.dim() != 1 or patch.numel() < PATCH_HEADER_BYTES:
+        raise ValueError(f"tensor {name!r}: a delta sync sent {patch.dtype} "
+                         f"{list(patch.shape)}, which is no patch")
+    magic, kind, digest_kind, numel, changed, digest = _HEADER.unpack(
+        bytes(patch[:PATCH_HEADER_BYTES].cpu().numpy()))
+    words = _words(baseline)
+    if magic != _MAGIC or kind not in PatchKind.__members__.values() or numel != words.numel():
+        raise ValueError(f"tensor {name!r}: the patch (magic {magic!r}, kind {kind}, "
+                         f"{numel} elements) does not fit this worker's copy "
+                         f"({words.numel()} elements)")
+    payload = patch[PATCH_HEADER_BYTES:].to(words.device)
+    word_bytes = words.element_size()
+    kind = PatchKind(kind)
+    if kind == PatchKind.WHOLE:
+        words.copy_(_typed(payload[: numel * word_bytes], words.dtype))
+    elif kind != PatchKind.UNCHANGED:
+        if kind == PatchKind.POSITIONS:
+            position_dtype = torch.int32 if numel < 2**31 else torch.int64
+            where_bytes = changed * position_dtype.itemsize
+            positions = _typed(payload[:where_bytes], position_dtype).long()
+        else:
+            where_bytes = -(-numel // 8)
+            positions = _unpack_bits(payload[:where_bytes], numel).nonzero().reshape(-1)
+        start = _padded(where_bytes)
+        values = _typed(payload[start : start + changed * word_bytes], words.dtype)
+        if positions.numel() != changed or values.numel() != changed:
+            raise ValueError(f"tensor {name!r}: the patch announces {changed} changed "
+                             f"elements but holds {positions.numel()} positions and "
+                             f"{values.numel()} values")
+        words.index_copy_(0, positions, values)
+    actual = tensor_digest(baseline, digest_kind)[1]
+    if actual != digest:
+        raise PatchDigestError(name, actual, digest)
+    return PatchStats(kind, numel, changed, patch.numel())
+
+
+class PatchDigestError(ValueError):
+    """A tensor rebuilt from a patch differs from the sender's (the receiver's copy was not
+    the sender's baseline)."""
+
+    def __init__(self, name: str, actual: int, expected: int) -> None:
+        super().__init__(f"tensor {name!r} rebuilt from its delta has digest {actual:#018x}, "
+                         f"the sender's is {expected:#018x}")
+        self.name = name

@@ -1,0 +1,178 @@
+"""Delta sync's pieces without Ray: one tensor's patch, the two ends of a stream, the
+manager's ledger of versions, and the config."""
+
+import asyncio
+
+import pytest
+import torch
+
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
+from weightsync_core.delta import (
+    DeltaBaselineError,
+    DeltaPlan,
+    DeltaReceiver,
+    DeltaSender,
+    PatchDigestError,
+    PatchKind,
+    apply_patch,
+    encode_patch,
+)
+from weightsync_core.delta_ledger import DeltaLedger
+from weightsync_core.errors import ManifestChangedError, VerificationError
+from weightsync_core.testing.weights import ONE_ELEMENT, make_weights, sparse_updates
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _round_trip(new: torch.Tensor, old: torch.Tensor):
+    sender_copy, receiver_copy = old.clone().contiguous(), old.clone().contiguous()
+    patch, stats = encode_patch(new, sender_copy)
+    apply_patch(patch, receiver_copy, "t")
+    assert torch.equal(_bytes(receiver_copy), _bytes(new))
+    assert torch.equal(_bytes(sender_copy), _bytes(new))  # the sender's next baseline
+    return stats
+
+
+@pytest.mark.parametrize("fraction", [0.0, ONE_ELEMENT, 0.02, 0.3, 1.0])
+def test_every_dtype_and_shape_round_trips_bit_exact(fraction):
+    old = make_weights(1, 1 << 20)
+    new = sparse_updates(old, [(2, fraction)])
+    for name in old:
+        stats = _round_trip(new[name], old[name])
+        assert stats.changed == int(_words_differ(new[name], old[name]))
+
+
+def _words_differ(new, old) -> int:
+    width = new.element_size()
+    a = _bytes(new).view(-1, width) if new.numel() else _bytes(new).view(0, width)
+    b = _bytes(old).view(-1, width) if old.numel() else _bytes(old).view(0, width)
+    return int((a != b).any(dim=1).sum())
+
+
+def test_the_smallest_encoding_is_chosen():
+    old = torch.randn(10_000).bfloat16()
+    cases = {0.0: PatchKind.UNCHANGED, 0.01: PatchKind.POSITIONS, 0.4: PatchKind.BITMASK,
+             1.0: PatchKind.WHOLE}
+    for fraction, kind in cases.items():
+        new = sparse_updates({"w": old}, [(3, fraction)])["w"]
+        stats = _round_trip(new, old)
+        assert stats.kind is kind, (fraction, stats)
+        assert stats.nbytes <= 32 + old.numel() * 2 + 8
+    sparse = _round_trip(sparse_updates({"w": old}, [(3, 0.02)])["w"], old)
+    assert sparse.nbytes * 10 < old.numel() * 2  # 2% changed: over 10x fewer bytes
+
+
+def test_nan_and_negative_zero_compare_by_their_bits():
+    old = torch.tensor([0.0, float("nan"), 1.0])
+    new = torch.tensor([-0.0, float("nan"), 1.0])
+    assert _round_trip(new, old).changed == 1
+
+
+def test_a_copy_that_differs_from_the_senders_is_caught_whole():
+    old = torch.randn(1000)
+    new = old.clone()
+    new[3] = 7.0
+    patch, _ = encode_patch(new, old.clone())
+    tampered = old.clone()
+    tampered[500] += 1  # far from the only element the patch touches
+    with pytest.raises(PatchDigestError, match="'w' rebuilt from its delta"):
+        apply_patch(patch, tampered, "w")
+
+
+def test_a_patch_of_another_size_or_no_patch_is_refused():
+    patch, _ = encode_patch(torch.ones(10), torch.zeros(10))
+    with pytest.raises(ValueError, match="does not fit this worker's copy"):
+        apply_patch(patch, torch.zeros(11), "w")
+    with pytest.raises(ValueError, match="which is no patch"):
+        apply_patch(torch.ones(40), torch.zeros(10), "w")
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        encode_patch(torch.ones(10), torch.zeros(10, dtype=torch.float16))
+
+
+async def _collect(stream):
+    return [(name, tensor.clone()) async for name, tensor in stream]
+
+
+async def _aiter(pairs):
+    for pair in pairs:
+        yield pair
+
+
+def _sync(sender, receiver, weights, plan, dtype=None):
+    async def run():
+        sent = await _collect(sender.encode(_aiter(weights.items()), plan, dtype))
+        return dict(await _collect(receiver.decode(_aiter(sent), plan))), sent
+    return asyncio.run(run())
+
+
+def test_sender_and_receiver_move_versions_and_forget_on_failure():
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    generator = torch.Generator().manual_seed(4)
+    weights = {"a": torch.randn(4096, generator=generator),
+               "b": torch.randn(300, 70, generator=generator).t(), "c": torch.randn(())}
+    first = DeltaPlan(version="v1")
+    received, _ = _sync(sender, receiver, weights, first, torch.bfloat16)
+    assert sender.version == receiver.version == "v1"
+    assert all(received[name].dtype == torch.bfloat16 for name in weights)
+    updated = sparse_updates(weights, [(5, 0.02)])
+    received, sent = _sync(sender, receiver, updated, DeltaPlan(version="v2", base="v1"),
+                           torch.bfloat16)
+    assert all(tensor.dtype == torch.uint8 for _, tensor in sent)
+    for name, tensor in updated.items():
+        assert torch.equal(_bytes(received[name]), _bytes(tensor.to(torch.bfloat16)))
+    assert 0 < sender.last_stats.changed < sender.last_stats.elements
+    assert sender.last_stats.wire_bytes < sender.last_stats.model_bytes / 5
+    # a delta against a version the receiver does not hold: refused, nothing applied
+    with pytest.raises(DeltaBaselineError, match="holds version v2, but this sync sends "
+                       "deltas against version v1"):
+        asyncio.run(_collect(receiver.decode(_aiter([]), DeltaPlan(version="v3", base="v1"))))
+    assert receiver.version is None and not receiver.baselines
+
+
+def test_a_delta_sync_needs_the_last_layout():
+    sender = DeltaSender()
+    _sync(sender, DeltaReceiver(), {"a": torch.ones(4)}, DeltaPlan(version="v1"))
+    with pytest.raises(ManifestChangedError, match=r"'b' was not in the last version.*"
+                       "allow_manifest_change=True"):
+        _sync(sender, DeltaReceiver(), {"b": torch.ones(4)},
+              DeltaPlan(version="v2", base="v1"))
+    assert sender.version is None
+
+
+def test_a_patch_for_a_tensor_the_receiver_lacks_fails_naming_it():
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    _sync(sender, receiver, {"a": torch.ones(4)}, DeltaPlan(version="v1"))
+    receiver.baselines.clear()
+    with pytest.raises(VerificationError, match="tensor 'a', of which it holds no copy"):
+        _sync(sender, receiver, {"a": torch.ones(4)}, DeltaPlan(version="v2", base="v1"))
+
+
+def test_the_ledger_sends_deltas_only_where_every_receiver_holds_the_version():
+    first, second = object(), object()
+    ledger = DeltaLedger(full_every=3)
+    plan = ledger.plan([first])
+    assert plan.base is None  # nothing sent yet
+    ledger.succeeded([first], plan)
+    delta = ledger.plan([first])
+    assert delta.base == plan.version
+    assert ledger.plan([first, second]).base is None  # the newcomer holds nothing
+    assert ledger.plan([first], force_full=True).base is None
+    ledger.succeeded([first], delta)
+    assert ledger.plan([first]).base == delta.version
+    ledger.succeeded([first], ledger.plan([first]))
+    assert ledger.plan([first]).base is None  # every 3rd sync is full
+    ledger.failed([first])
+    assert ledger.plan([first]).base is None and ledger.holds(first) is None
+
+
+def test_delta_is_refused_before_any_byte_moves_where_the_backend_cannot_move_it():
+    with pytest.raises(ValueError, match="full_verify_every must be an integer >= 0"):
+        CheckpointEngineConfig(backend="gloo", delta=True, full_verify_every=-1)
+    with pytest.raises(ValueError, match="delta must be True or False"):
+        CheckpointEngineConfig(backend="gloo", delta="yes")
+    config = CheckpointEngineConfig(backend="naive", delta=True)
+    with pytest.raises(ValueError, match=r"backend 'naive' does not move delta syncs \(a "
+                       "colocated engine moves no bytes\\)"):
+        CheckpointEngineManager(config, actor_wg=None)
