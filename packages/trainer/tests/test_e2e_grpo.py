@@ -18,7 +18,8 @@ def _run(backend, steps, *extra):
 
 @pytest.fixture(scope="module")
 def gloo_run():
-    runner, rows = _run("gloo", STEPS)
+    """gloo with delta sync on: after the first full sync, patches (bit-exact or refused)."""
+    runner, rows = _run("gloo", STEPS, "rollout.checkpoint_engine.delta=true")
     checksums = runner.trainer.weights_checksums()
     runner.trainer.shutdown()
     return rows, checksums
@@ -44,9 +45,11 @@ def test_gloo_reward_rises(gloo_run):
 
 
 def test_gloo_replicas_hold_exactly_the_actor_weights(gloo_run):
-    _, checksums = gloo_run
+    rows, checksums = gloo_run
     assert len(checksums["rollout"]) == 2
     assert checksums["rollout"] == [checksums["actor"]] * 2
+    # every sync after the first sent patches against the replicas' last version
+    assert [row["weightsync/delta"] for row in rows] == [0.0] + [1.0] * (len(rows) - 1)
 
 
 def test_manager_that_moves_nothing_does_not_improve(noop_run, gloo_run):

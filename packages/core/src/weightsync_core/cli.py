@@ -52,7 +52,16 @@ def _connect(command: str, address: str | None) -> bool:
 def _bench(args: argparse.Namespace) -> int:
     common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
               "repeats": args.repeats, "verify": not args.no_verify}
-    if args.backend == "gloo":
+    if args.delta:
+        from weightsync_core.bench.delta import run_delta_benchmark
+
+        if not _connect("bench", args.address):
+            return 1
+        result = run_delta_benchmark(
+            args.backend, json.loads(args.engine_kwargs), args.size_mb, args.tensors,
+            args.repeats, args.bucket_mb or 64, args.learning_rate,
+        )
+    elif args.backend == "gloo":
         from weightsync_core.bench.gloo import run_gloo_benchmark
 
         if not _connect("bench", args.address):
@@ -203,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
     bench.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
+    bench.add_argument("--delta", action="store_true",
+                       help="full against delta syncs (config.delta) of bf16 weights after "
+                       "an optimizer step of fp32 masters, to one rollout worker")
+    bench.add_argument("--learning-rate", type=float, default=1.6e-5,
+                       help="--delta: each step's move per master element (1.6e-5 changes "
+                       "about 2%% of the bf16 elements)")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
     bench.add_argument("--address", help=_ADDRESS_HELP)
     bench.set_defaults(run=_bench)

@@ -79,6 +79,16 @@ class UniformWeightsSource(ActorCheckpointEngineMixin):
         self.weights = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
         return numel * 4 * num_tensors
 
+    def optimizer_step(self, learning_rate: float, seed: int) -> None:
+        """Move every element by ``learning_rate`` up or down (the size of an Adam update,
+        whose steps are about ``lr`` per element), as one training step moves fp32 master
+        weights: a rollout cast of them (bf16) changes only where an element crosses a
+        rounding boundary."""
+        generator = torch.Generator().manual_seed(seed)
+        for tensor in self.weights.values():
+            signs = torch.randint(0, 2, tensor.shape, generator=generator, dtype=torch.int8)
+            tensor.add_(signs.to(tensor.dtype).mul_(2).sub_(1), alpha=learning_rate)
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.weights.items())
 

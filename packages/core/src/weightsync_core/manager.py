@@ -320,7 +320,8 @@ class CheckpointEngineManager:
         ``transfer_gbps`` and ``gbps`` (payload bytes per second). With ``config.delta``
         also ``delta`` (1 for a sync of patches, 0 for a full one), ``model_bytes`` (the
         weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
-        ``seconds/diff`` (the sender's diffing).
+        ``seconds/diff`` (the sender's diffing) and ``seconds/apply`` (the slowest
+        worker's patching and checking).
         """
         return await self._update_weights(global_steps, allow_manifest_change)
 
@@ -382,10 +383,11 @@ class CheckpointEngineManager:
         try:
             await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"))
             await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"))
+            loaded: list[dict[str, Any]] = []
             if self.backend_cls.is_colocated:
                 sent = await self._hand_over_in_process(stages, global_steps, options)
             else:
-                sent = await self._send_to_replicas(
+                sent, loaded = await self._send_to_replicas(
                     stages, replicas, global_steps, from_cache, options
                 )
             self._check_tensors_moved(sent)
@@ -409,7 +411,10 @@ class CheckpointEngineManager:
                          min_seconds=_CLEANUP_SECONDS)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
                          min_seconds=_CLEANUP_SECONDS)
-        return self._sync_metrics(stages, sent, len(replicas), plan)
+        metrics = self._sync_metrics(stages, sent, len(replicas))
+        if plan is not None:
+            metrics.update(_delta_metrics(sent, loaded, plan))
+        return metrics
 
     def _delta_plan(self, replicas: list[RolloutReplica], from_cache: bool,
                     allow_manifest_change: bool) -> DeltaPlan | None:
@@ -432,10 +437,10 @@ class CheckpointEngineManager:
     async def _send_to_replicas(
         self, stages: SyncStages, replicas: list[RolloutReplica], global_steps: int | None,
         from_cache: bool, options: dict[str, Any],
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The engines' stages of a sync from the actor ranks (or, ``from_cache``, the actor
-        side's cache) to the replicas' workers. Returns what was moved: the senders'
-        counts, or what one worker loaded from the cache."""
+        side's cache) to the replicas' workers. Returns what was moved (the senders'
+        counts, or what one worker loaded from the cache) and what each worker loaded."""
         processes = self._processes(replicas)
         layout = processes.layout
         progress = processes.engine_calls("sync_progress")
@@ -452,14 +457,14 @@ class CheckpointEngineManager:
         ), progress)
         if from_cache:
             results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
-            sent = results[:1]
+            sent, loaded = results[:1], results
         else:
             results = await stages.run(
                 "transfer", processes.send_calls(global_steps, options), progress
             )
-            sent = results[: layout.actor_ranks]
+            sent, loaded = results[: layout.actor_ranks], results[layout.actor_ranks:]
         await stages.run("finalize", processes.engine_calls("finalize"), progress)
-        return sent
+        return sent, loaded
 
     def _layout(self, replicas: list[RolloutReplica]) -> SyncLayout:
         """This sync's layout: ``actor_wg``'s ranks and the workers of ``replicas``.
@@ -547,13 +552,10 @@ class CheckpointEngineManager:
 
     @staticmethod
     def _sync_metrics(
-        stages: SyncStages, sent: list[dict[str, Any]], replicas: int,
-        plan: DeltaPlan | None = None,
+        stages: SyncStages, sent: list[dict[str, Any]], replicas: int
     ) -> dict[str, float]:
         """The stages' timings and what the sync moved (see :meth:`update_weights`)."""
         metrics = dict(stages.metrics)
-        if plan is not None:
-            metrics.update(_delta_metrics(sent, plan))
         total = stages.elapsed()
         nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
@@ -647,12 +649,16 @@ class CheckpointEngineManager:
         await self._finish_cleanup([_resume(replica) for replica in untouched])
 
 
-def _delta_metrics(sent: list[dict[str, Any]], plan: DeltaPlan) -> dict[str, float]:
-    """What the sending rank of a delta-enabled sync reported: whether it sent deltas, the
-    weights' size, the fraction of elements that changed, the seconds spent diffing."""
+def _delta_metrics(sent: list[dict[str, Any]], loaded: list[dict[str, Any]],
+                   plan: DeltaPlan) -> dict[str, float]:
+    """What the sending rank of a delta-enabled sync reported (whether it sent deltas, the
+    weights' size, the fraction of elements that changed, the seconds spent diffing) and
+    the longest any rollout worker spent applying patches."""
     reported = next((result for result in sent if "delta_elements" in result), {})
     elements = reported.get("delta_elements", 0.0)
     return {
+        "weightsync/seconds/apply": max(
+            (result.get("delta_seconds", 0.0) for result in loaded), default=0.0),
         "weightsync/delta": 1.0 if plan.is_delta else 0.0,
         "weightsync/model_bytes": reported.get("delta_model_bytes", 0.0),
         "weightsync/changed_fraction": (

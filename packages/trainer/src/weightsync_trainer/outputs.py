@@ -36,15 +36,24 @@ def summarize(rows: Rows, window: int = 5) -> dict[str, float]:
         "sync_seconds_mean": mean("weightsync/seconds/total", rows),
         "sync_gbps_mean": mean("weightsync/gbps", rows),
         "sync_bytes": rows[-1]["weightsync/bytes"],
+        "sync_bytes_mean": mean("weightsync/bytes", rows),
+        **({"changed_fraction_mean": mean("weightsync/changed_fraction", rows[1:] or rows)}
+           if "weightsync/changed_fraction" in rows[-1] else {}),
         "step_seconds_mean": mean("timing/step_s", rows),
     }
 
 
 def format_step(row: dict[str, float], total_steps: int) -> str:
-    """The line printed after each step."""
+    """The line printed after each step: reward, sync time and rates, bytes sent and, with
+    delta sync on, whether the sync sent deltas and the fraction of elements that changed."""
+    delta = ""
+    if "weightsync/delta" in row:
+        kind = "delta" if row["weightsync/delta"] else "full"
+        delta = f" ({kind}, {row['weightsync/changed_fraction']:.1%} changed)"
     return (
         f"step {int(row['step']):>3}/{total_steps}  reward {row['reward/mean']:.3f}  "
         f"sync {row['weightsync/seconds/total'] * 1e3:7.1f} ms  "
+        f"{row['weightsync/bytes'] / 1e6:.2f} MB{delta}  "
         f"{row['weightsync/gbps']:.3f} GB/s  "
         f"(transfer {row['weightsync/transfer_gbps']:.3f} GB/s)  step {row['timing/step_s']:.2f} s"
     )
