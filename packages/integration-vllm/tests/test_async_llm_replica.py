@@ -51,6 +51,25 @@ def test_three_syncs_in_a_row_give_hf_tokens(backend, rollout, source):
         assert not ray.get(rollout.engine_paused.remote())
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nixl"])
+def test_ten_delta_syncs_give_hf_tokens(backend, rollout, source):
+    """Delta sync into vLLM: after the first full sync, every sync sends patches of the 2%
+    of elements that changed; vLLM's worker rebuilds whole tensors (its host copy), checks
+    each against the sender's digest and loads them; the tokens are Hugging Face's."""
+    manager = source.manager_into(rollout, backend, delta=True)
+    tokens_changed = 0
+    for sync in range(10):
+        before = _generate(rollout)
+        expected = source.perturb(PROMPTS, NEW_TOKENS, fraction=0.02)
+        metrics = manager.update_weights(100 + sync)
+        assert metrics["weightsync/delta"] == (1.0 if sync else 0.0), (sync, metrics)
+        assert torch.equal(_generate(rollout), expected), sync
+        tokens_changed += not torch.equal(before, expected)
+    assert 0.0 < metrics["weightsync/changed_fraction"] < 0.05, metrics
+    assert metrics["weightsync/bytes"] < metrics["weightsync/model_bytes"] / 5, metrics
+    assert tokens_changed >= 5, "the sparse changes must change the tokens"
+
+
 def _fails_then_vllm_resumes(rollout, sender, faults: Faults, match: str) -> None:
     """A sync from ``sender`` misbehaving as ``faults`` says fails with ``match`` in its
     error; vLLM's own resume then serves (the engine lives) while weightsync's worker

@@ -2,6 +2,7 @@
 of its weights that tells the greedy tokens vLLM must give after a sync."""
 
 import contextlib
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator
@@ -70,12 +71,13 @@ class Sender:
         self.reference = transformers.AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32)
 
-    def perturb(self, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """New weights on both sides (a fresh seed); returns the reference's greedy tokens
-        after ``prompts``."""
+    def perturb(self, prompts: torch.Tensor, new_tokens: int,
+                fraction: float = 1.0) -> torch.Tensor:
+        """New weights on both sides (a fresh seed; only about ``fraction`` of each tensor's
+        elements change); returns the reference's greedy tokens after ``prompts``."""
         seed = next(SEEDS)
-        ray.get(self.actor.perturb.remote(seed))
-        perturb_(self.reference, seed)
+        ray.get(self.actor.perturb.remote(seed, fraction=fraction))
+        perturb_(self.reference, seed, fraction=fraction)
         output = self.reference.generate(prompts, attention_mask=torch.ones_like(prompts),
                                          do_sample=False, max_new_tokens=new_tokens,
                                          pad_token_id=0)
@@ -87,13 +89,19 @@ class Sender:
         """One sync over ``backend`` (both engines switched to it) into the rollout actor
         ``rollout`` (a one-worker replica unless ``replica`` is given), the sender
         misbehaving as ``faults`` says; returns the manager and the sync's metrics."""
-        config = sync_config(backend)
-        ray.get([self.actor.init_checkpoint_engine.remote(config),
-                 self.actor.set_faults.remote(faults or Faults()),
-                 rollout.set_checkpoint_engine.remote(config)])
-        manager = CheckpointEngineManager(config, RayWorkerGroup([self.actor]),
-                                          [replica or RayRolloutReplica([rollout])])
+        manager = self.manager_into(rollout, backend, faults, replica)
         return manager, manager.update_weights(next(SEEDS) if step is None else step)
+
+    def manager_into(self, rollout, backend: str = "gloo", faults: Faults | None = None,
+                     replica: Any = None, **config: Any) -> CheckpointEngineManager:
+        """A manager of syncs over ``backend`` (both engines switched to it, the config's
+        fields ``config`` changed) into ``rollout`` (or ``replica``)."""
+        chosen = dataclasses.replace(sync_config(backend), **config)
+        ray.get([self.actor.init_checkpoint_engine.remote(chosen),
+                 self.actor.set_faults.remote(faults or Faults()),
+                 rollout.set_checkpoint_engine.remote(chosen)])
+        return CheckpointEngineManager(chosen, RayWorkerGroup([self.actor]),
+                                       [replica or RayRolloutReplica([rollout])])
 
     def kill(self) -> None:
         ray.kill(self.actor)

@@ -46,13 +46,18 @@ def save_qwen2(
     return directory
 
 
-def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.5) -> None:
+def perturb_(model: torch.nn.Module, seed: int, scale: float = 0.5,
+             fraction: float = 1.0) -> None:
     """Add seeded Gaussian noise (``scale`` times each tensor's standard deviation) to every
-    floating-point parameter of ``model``, in place."""
+    floating-point parameter of ``model``, in place; with ``fraction`` < 1, only to about
+    that fraction of each parameter's elements (the others keep their bits, as most do after
+    an optimizer step in a rollout dtype)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            if fraction < 1.0:
+                noise *= torch.rand(parameter.shape, generator=generator) < fraction
             parameter.add_(noise * scale * parameter.float().std().clamp_min(1e-3))
 
 
@@ -68,9 +73,9 @@ class ModelWeightsSource(ActorCheckpointEngineMixin):
         )
         self.init_checkpoint_engine(config)
 
-    def perturb(self, seed: int, scale: float = 0.5) -> None:
+    def perturb(self, seed: int, scale: float = 0.5, fraction: float = 1.0) -> None:
         """Perturb the held weights (see :func:`perturb_`)."""
-        perturb_(self.model, seed, scale)
+        perturb_(self.model, seed, scale, fraction)
 
     def weights_bytes(self) -> int:
         """Bytes of the held weights."""

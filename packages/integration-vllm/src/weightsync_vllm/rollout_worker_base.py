@@ -173,23 +173,28 @@ class VLLMRolloutWorkerBase:
         return _one_per_rank(results)
 
     async def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
     ) -> dict[str, float]:
         """Receive one version of the weights into vLLM's model through vLLM's
         weight-transfer calls, with weightsync as the engine (an engine of one vLLM worker;
         see :meth:`update_weights_per_rank`)."""
         self._check_single_rank("update_weights")
-        return (await self._update(global_steps, allow_manifest_change))[0]
+        return (await self._update(global_steps, allow_manifest_change, delta_base,
+                                   delta_version))[0]
 
     async def update_weights_per_rank(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
     ) -> Any:
         """:meth:`update_weights`, every vLLM worker receiving as a rank of its own; each
         worker's figures in rank order (as :meth:`execute_checkpoint_engine_per_rank`)."""
-        return _one_per_rank(await self._update(global_steps, allow_manifest_change))
+        return _one_per_rank(await self._update(global_steps, allow_manifest_change,
+                                                delta_base, delta_version))
 
     async def _update(
-        self, global_steps: int | None, allow_manifest_change: bool
+        self, global_steps: int | None, allow_manifest_change: bool,
+        delta_base: str | None = None, delta_version: str | None = None,
     ) -> list[dict[str, float]]:
         await self._ensure_transfer_engine()
         async with self._serving:
@@ -197,6 +202,7 @@ class VLLMRolloutWorkerBase:
             await self._rpc("start_weight_update")
             await self._rpc("update_weights", update_info={
                 "global_steps": global_steps, "allow_manifest_change": allow_manifest_change,
+                "delta_base": delta_base, "delta_version": delta_version,
             })
             await self._rpc("finish_weight_update")
             self.weights_version = global_steps

@@ -63,12 +63,13 @@ class VLLMWorkerGroup:
         return refs
 
     def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
     ) -> list[Any]:
         refs: list[Any] = []
         for actor, indices in self._actors:
             refs += _refs(actor.update_weights_per_rank.options(
-                num_returns=len(indices)).remote(global_steps, allow_manifest_change))
+                num_returns=len(indices)).remote(global_steps, allow_manifest_change, **delta))
         return refs
 
 

@@ -66,6 +66,8 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     allow_manifest_change: bool = False
     trainer_inbox: str | None = None
     session_key: str | None = None
+    delta_base: str | None = None
+    delta_version: str | None = None
 
 
 def _receiver_rank(parallel_config: Any) -> int:
@@ -227,8 +229,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         that the model holds a mix of versions (weightsync's rollout worker refuses to serve
         until a sync succeeds)."""
         if update_info.trainer_inbox is None:
-            receive = self.worker.update_weights(update_info.global_steps,
-                                                 update_info.allow_manifest_change)
+            receive = self.worker.update_weights(
+                update_info.global_steps, update_info.allow_manifest_change,
+                update_info.delta_base, update_info.delta_version)
         else:
             receive = self._sync_with_trainer(update_info)
         try:
@@ -266,7 +269,8 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             await worker.execute_checkpoint_engine(
                 "init_process_group", **typed_arguments(join, answer.kwargs))
             stats = await worker.update_weights(update.global_steps,
-                                                update.allow_manifest_change)
+                                                update.allow_manifest_change,
+                                                update.delta_base, update.delta_version)
             await worker.execute_checkpoint_engine("finalize")
             return stats
         except BaseException:

@@ -1,6 +1,7 @@
 """The ``weightsync-testbed`` command: bring a testbed up, clean up after a crashed one, run
-the line-rate benchmark (also reachable as ``weightsync bench --testbed``), fit engine costs
-from saved runs, or print saved runs beside the current cost model's predictions."""
+the line-rate benchmark (also reachable as ``weightsync bench --testbed``) or the delta-sync
+benchmark across a link, fit engine costs from saved runs, or print saved runs beside the
+current cost model's predictions."""
 
 from __future__ import annotations
 
@@ -82,6 +83,31 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delta(args: argparse.Namespace) -> int:
+    """Full against delta syncs from an actor host to a replica host over one shaped link."""
+    from weightsync_core.bench.delta import run_delta_benchmark
+
+    from weightsync_testbed.bench import DEFAULT_ENGINE_KWARGS
+    from weightsync_testbed.placement import HostPlacement
+
+    link = Link(args.link)
+    with Testbed(hosts=["a0", "r0"], link=link, prefix="wstd"):
+        result = run_delta_benchmark(
+            args.backend, DEFAULT_ENGINE_KWARGS.get(args.backend, {}), args.size_mb,
+            repeats=args.repeats, learning_rate=args.learning_rate,
+            placement=HostPlacement(["a0"], ["r0"]),
+        )
+    print(result.table())
+    rate = link.bits_per_second
+    if rate:
+        full = result.row("full")
+        print(f"full sync at line rate ({args.link}): {full.wire_bytes * 8 / rate:.2f} s")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     with Testbed(hosts=args.hosts.split(","), link=Link(args.link), prefix=args.prefix,
                  connect=False) as testbed:
@@ -115,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="the line-rate benchmark matrix")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+    delta = commands.add_parser(
+        "delta", help="full against delta syncs (config.delta) from an actor host to a "
+        "replica host over one shaped link")
+    delta.add_argument("backend", nargs="?", default="gloo",
+                       help="gloo, nixl or mooncake (default: gloo)")
+    delta.add_argument("--size-mb", type=int, default=1024, help="bf16 weights (MiB)")
+    delta.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    delta.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind")
+    delta.add_argument("--learning-rate", type=float, default=1.6e-5,
+                       help="each step's move per fp32 master element (1.6e-5: about 2%% "
+                       "of the bf16 elements change)")
+    delta.add_argument("--json-out", help="also write the result as JSON to this file")
+    delta.set_defaults(run=_delta)
     fit = commands.add_parser(
         "fit", help="fit each backend's engine costs from the 1-host cells of saved runs")
     fit.add_argument("runs", nargs="+", help="testbed-bench.json files")

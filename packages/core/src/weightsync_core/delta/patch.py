@@ -127,8 +127,7 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
     numel = new_words.numel()
     word_bytes = new_words.element_size()
     digest = tensor_digest(new)
-    changed_mask = new_words != old_words
-    positions = changed_mask.nonzero().reshape(-1)
+    positions = _changed_positions(new_words, old_words)
     changed = positions.numel()
     position_dtype = torch.int32 if numel < 2**31 else torch.int64
     sizes = {
@@ -149,6 +148,8 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
         if kind == PatchKind.POSITIONS:
             where = positions.to(position_dtype).view(torch.uint8)
         else:
+            changed_mask = torch.zeros(numel, dtype=torch.bool, device=new.device)
+            changed_mask[positions] = True
             where = _pack_bits(changed_mask)
         sections = [_section(where, where.numel()),
                     _section(values.view(torch.uint8), changed * word_bytes)]
@@ -157,6 +158,26 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
         _words(old).copy_(old_words)
     patch = torch.cat([header, *sections])
     return patch, PatchStats(kind, numel, changed, patch.numel())
+
+
+def _changed_positions(new_words: torch.Tensor, old_words: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, ascending) where ``new_words`` and ``old_words`` differ.
+
+    Narrow elements are compared eight bytes at a time first: only the 8-byte words that
+    differ are looked at element by element (with a few percent changed, that is most of
+    the time saved: the element-wise compare and ``nonzero`` run over 2 to 8 times fewer
+    items)."""
+    width = new_words.element_size()
+    lanes = 8 // width
+    numel = new_words.numel()
+    if width >= 8 or numel % lanes or new_words.storage_offset() % lanes or (
+            old_words.storage_offset() % lanes):
+        return (new_words != old_words).nonzero().reshape(-1)
+    words = (new_words.view(torch.int64) != old_words.view(torch.int64)).nonzero().reshape(-1)
+    new_lanes = new_words.view(-1, lanes).index_select(0, words)
+    old_lanes = old_words.view(-1, lanes).index_select(0, words)
+    flat = (new_lanes != old_lanes).reshape(-1).nonzero().reshape(-1)
+    return words[flat // lanes] * lanes + flat % lanes
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
