@@ -86,7 +86,6 @@ def _predict(args: argparse.Namespace) -> int:
 def _delta(args: argparse.Namespace) -> int:
     """Full against delta syncs from an actor host to a replica host over one shaped link."""
     from weightsync_core.bench.delta import run_delta_benchmark
-
     from weightsync_testbed.bench import DEFAULT_ENGINE_KWARGS
     from weightsync_testbed.placement import HostPlacement
 
