@@ -3,7 +3,6 @@ delta-enabled syncs end: what decides whether a sync can send deltas."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterable
 
 from weightsync_core.delta import DeltaPlan
@@ -39,12 +38,11 @@ class DeltaLedger:
     def plan(self, replicas: Iterable[object], *, force_full: bool = False) -> DeltaPlan:
         """The plan of a sync to ``replicas``: a new version's token, and the base its
         deltas are against (None: a full sync)."""
-        version = secrets.token_hex(8)
         base = self._actor_version
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
         if force_full or due or base is None or any(self.holds(r) != base for r in replicas):
-            return DeltaPlan(version=version)
-        return DeltaPlan(version=version, base=base)
+            return DeltaPlan.new()
+        return DeltaPlan.new(base)
 
     def succeeded(self, replicas: Iterable[object], plan: DeltaPlan) -> None:
         """Record a sync that ended complete: the actor side and ``replicas`` hold its

@@ -38,6 +38,7 @@ from weightsync_core.bucketing import (
     iter_named_tensors,
 )
 from weightsync_core.channel import ControlChannel, PeerEndpoints
+from weightsync_core.delta import DeltaBaselineError, DeltaPlan, DeltaReceiver, DeltaSender
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.engines import (
     CollectiveBroadcastCheckpointEngine,
@@ -89,6 +90,10 @@ __all__ = [
     "CollectiveBroadcastOptions",
     "ControlChannel",
     "DeliveryVerifier",
+    "DeltaBaselineError",
+    "DeltaPlan",
+    "DeltaReceiver",
+    "DeltaSender",
     "EmptyWeightsError",
     "EngineOptions",
     "EngineOptionsError",

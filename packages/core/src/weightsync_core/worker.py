@@ -35,7 +35,6 @@ __all__ = [
     "build_engine",
     "check_on_this_machine",
     "close_engine",
-    "delta_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -129,20 +128,6 @@ async def _execute(engine: CheckpointEngine, method: str, kwargs: dict[str, Any]
         return await run_blocking(function, **kwargs)
     result = function(**kwargs)
     return await result if inspect.isawaitable(result) else result
-
-
-def delta_plan(delta_base: str | None, delta_version: str | None) -> DeltaPlan | None:
-    """The delta plan the manager handed a process for this sync: None where the sync is
-    not delta-enabled (``delta_version`` None).
-
-    Raises:
-        ValueError: a ``delta_base`` without a ``delta_version``.
-    """
-    if delta_version is None:
-        if delta_base is not None:
-            raise ValueError("delta_base needs a delta_version (the version this sync makes)")
-        return None
-    return DeltaPlan(version=delta_version, base=delta_base)
 
 
 def _written_for_verl(engine: CheckpointEngine) -> bool:
@@ -349,7 +334,7 @@ class CheckpointEngineWorker:
         (:class:`~weightsync_core.delta.DeltaReceiver`)."""
         engine = self.checkpoint_engine
         weights = engine.receive_weights(global_steps)
-        plan = delta_plan(delta_base, delta_version)
+        plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is None:
             self.delta_receiver.forget()
         else:
@@ -478,7 +463,7 @@ class ActorCheckpointEngineMixin:
         taken = TransferStats()
         weights: Any = _ProducedWeights(self.iter_weights(), engine.progress, taken,
                                         contiguous=_written_for_verl(engine))
-        plan = delta_plan(delta_base, delta_version)
+        plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
         if plan is not None and encoding:
             weights = self.delta_sender.encode(

@@ -10,6 +10,11 @@ What verl's interface cannot say, the adapter fills in: verl's ``build_topology`
 replicas, so every rollout worker counts as its own replica (kimi: every worker pulls); the
 sync's session key is made in ``build_topology`` on verl's driver and reaches every process
 through Ray with its ``init_process_group`` arguments.
+
+Delta sync (``engine_kwargs: {weightsync_X: {delta: true}}``) needs no manager: each process
+reports in ``prepare()`` the version it holds, ``build_topology`` agrees the sync's plan
+(patches against that version where the sending rank and every rollout worker hold the same
+one, else a full sync) and hands it to every process with its arguments.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from weightsync_core import (
     TransferStats,
     new_session_key,
 )
+from weightsync_core.spi import DeltaPlan, DeltaReceiver, DeltaSender
 
 __all__ = [
     "PREFIX",
@@ -40,6 +46,8 @@ __all__ = [
 PREFIX = "weightsync_"
 """verl's name of weightsync backend ``X`` is ``weightsync_X`` (verl's own ``nixl``,
 ``mooncake``, ``nccl`` keep their names)."""
+_HELD = "delta_held"
+"""The key of the version a process holds in its ``prepare()`` metadata (delta sync)."""
 
 def verl_backend_name(backend: str) -> str:
     """The name of weightsync backend ``backend`` in verl's registry."""
@@ -68,44 +76,82 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
     Args:
         bucket_size: bytes per bucket (verl's ``update_weights_bucket_megabytes``).
         is_master: set by verl's actor rank 0; recorded by the weightsync engine.
+        delta: delta sync (weightsync-core's ``CheckpointEngineConfig.delta``): after a
+            full sync, only patches against the version every receiver holds travel,
+            checked whole after apply. For backends whose engine ``supports_delta``.
         **engine_kwargs: the weightsync backend's options (``engine_kwargs`` of the verl
             config), e.g. ``timeout``, ``verify``, ``rollout_dtype``, ``rebuild_group``.
+
+    Raises:
+        ValueError: ``delta`` for a backend that cannot move it.
     """
 
     backend: ClassVar[str] = ""
     """The weightsync backend this class adapts."""
 
-    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
+    def __init__(self, bucket_size: int, is_master: bool = False, delta: bool = False,
+                 **engine_kwargs: Any) -> None:
         self.bucket_size = bucket_size
         self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
             self.backend, bucket_size=bucket_size, is_master=is_master, **engine_kwargs
         )
+        if delta and not type(self.engine).supports_delta:
+            raise ValueError(
+                f"delta=True: weightsync backend {self.backend!r} does not move delta syncs "
+                "(its engine does not set supports_delta); drop delta from its engine_kwargs "
+                "or use weightsync_gloo, weightsync_nixl or weightsync_mooncake"
+            )
+        self.delta = delta
+        self.delta_sender = DeltaSender()
+        self.delta_receiver = DeltaReceiver()
+        self._plan: DeltaPlan | None = None
         self._stats = TransferStats()
 
     # -- verl's interface ----------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """The weightsync engine's metadata for the topology."""
-        return self.engine.prepare()
+        """The weightsync engine's metadata for the topology (with delta sync, and the
+        version this process holds)."""
+        metadata = self.engine.prepare()
+        if self.delta:
+            held = self.delta_sender.version or self.delta_receiver.version
+            metadata = {**metadata, _HELD: held}
+        return metadata
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The weightsync backend's topology (each rollout worker its own replica), plus a
-        fresh session key for every process."""
+        fresh session key for every process and, with delta sync, the sync's plan: patches
+        against the version that the sending rank (actor rank 0) and every rollout worker
+        reported, where they all hold the same one."""
         engine_cls = CheckpointEngineRegistry.get(cls.backend)
+        held: list[str | None] | None = None
+        if metadata and isinstance(metadata[0], dict) and _HELD in metadata[0]:
+            held = [metadata[0].get(_HELD), *(m.get(_HELD) for m in
+                                              metadata[actor_wg_world_size:])]
+            metadata = [{k: v for k, v in m.items() if k != _HELD} for m in metadata]
         actor, rollout = engine_cls.build_replica_topology(
             actor_wg_world_size, [1] * rollout_world_size, metadata
         )
         key = new_session_key()
-        return ({**actor, "session_key": [key] * actor_wg_world_size},
-                {**rollout, "session_key": [key] * rollout_world_size})
+        actor = {**actor, "session_key": [key] * actor_wg_world_size}
+        rollout = {**rollout, "session_key": [key] * rollout_world_size}
+        if held is not None:
+            plan = DeltaPlan.agreed(held)
+            for side, size in ((actor, actor_wg_world_size), (rollout, rollout_world_size)):
+                side["delta_base"] = [plan.base] * size
+                side["delta_version"] = [plan.version] * size
+        return actor, rollout
 
-    def init_process_group(self, session_key: bytes | None = None, **kwargs: Any) -> None:
+    def init_process_group(self, session_key: bytes | None = None,
+                           delta_base: str | None = None, delta_version: str | None = None,
+                           **kwargs: Any) -> None:
         """Join the sync (taking its session key when verl's manager drives it; weightsync's
-        manager hands it over through :meth:`set_session_key` first)."""
+        manager hands it over through :meth:`set_session_key` first) and its delta plan."""
         if session_key is not None:
             self.engine.set_session_key(session_key)
+        self._plan = DeltaPlan.from_arguments(delta_base, delta_version)
         self.engine.init_process_group(**kwargs)
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
@@ -113,24 +159,44 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         that sent tensors. A rank that only iterated (the trainer's gathers) returns none:
         verl's manager merges the ranks' metrics in rank order, and its zeros would replace
         the sender's counts."""
+        plan = self._plan
+        encoding = plan is not None and self.engine.sends_weights()
+        if plan is not None and encoding:
+            weights = self.delta_sender.encode(weights, plan, self.engine.rollout_dtype)
+        else:
+            self.delta_sender.forget()
         self._stats = await self.engine.send_weights(weights, global_steps)
         if not self._stats.num_tensors:
             return {}
-        return {
+        metrics = {
             "weightsync/bytes": float(self._stats.nbytes),
             "weightsync/tensors": float(self._stats.num_tensors),
             "weightsync/buckets": float(self._stats.num_buckets),
             "weightsync/seconds/send": self._stats.seconds,
         }
+        if plan is not None and encoding:
+            stats = self.delta_sender.last_stats
+            metrics.update({
+                "weightsync/delta": 1.0 if plan.is_delta else 0.0,
+                "weightsync/model_bytes": float(stats.model_bytes),
+                "weightsync/changed_fraction": stats.changed / max(stats.elements, 1),
+            })
+        return metrics
 
     # verl annotates receive_weights as a coroutine returning a Generator; its engines (and
     # its CheckpointEngineWorker, which iterates with ``async for``) make it an async generator
     async def receive_weights(  # pyright: ignore[reportIncompatibleMethodOverride]
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """The weightsync engine's received tensors, counted for :meth:`transfer_stats`."""
+        """The weightsync engine's received tensors (with delta sync, whole tensors rebuilt
+        from their patches), counted for :meth:`transfer_stats`."""
         self._stats = TransferStats()
-        async for name, tensor in self.engine.receive_weights(global_steps):
+        received = self.engine.receive_weights(global_steps)
+        if self._plan is None:
+            self.delta_receiver.forget()
+        else:
+            received = self.delta_receiver.decode(received, self._plan)
+        async for name, tensor in received:
             self._stats.num_tensors += 1
             self._stats.nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -71,13 +71,20 @@ class VerlWorkerGroup(RayWorkerGroup):
         return cls(worker_group.workers, mode=mode, method_prefix=role_prefix(worker_group))
 
     def update_weights(
-        self, global_steps: int | None = None, allow_manifest_change: bool = False
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
     ) -> list[Any]:
         """Start each rank's side of the transfer; one awaitable per rank."""
         if allow_manifest_change:
             raise ValueError(
                 "verl's workers load whatever arrives: they have no manifest check to relax, so "
                 "update_weights(allow_manifest_change=True) does not apply to them"
+            )
+        if any(value is not None for value in delta.values()):
+            raise ValueError(
+                "verl's workers call their engines themselves: the manager's delta plan "
+                "(CheckpointEngineConfig.delta) cannot reach them. Turn delta sync on in the "
+                "engine instead: engine_kwargs {weightsync_<backend>: {delta: true}}"
             )
         return [self._transfer(worker, global_steps) for worker in self.workers]
 

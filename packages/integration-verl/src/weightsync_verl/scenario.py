@@ -125,13 +125,17 @@ class TrainerWorker(Worker):
         )
 
     @register(dispatch_mode=_ONE_TO_ALL)
-    def perturb(self, step: int) -> dict[str, str]:
-        """Add step-seeded noise to every floating weight (the same on every rank); return
-        the digests the replicas must end up with."""
+    def perturb(self, step: int, fraction: float = 1.0) -> dict[str, str]:
+        """Add step-seeded noise to every floating weight (the same on every rank; with
+        ``fraction`` < 1 to about that fraction of each one's elements); return the digests
+        the replicas must end up with."""
         generator = torch.Generator().manual_seed(step)
         for tensor in self.weights.values():
             if tensor.is_floating_point():
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * 1e-3)
+                noise = torch.randn(tensor.shape, generator=generator) * 1e-3
+                if fraction < 1.0:
+                    noise *= torch.rand(tensor.shape, generator=generator) < fraction
+                tensor.add_(noise)
         return {name: digest(tensor) for name, tensor in self.weights.items()}
 
     @register(dispatch_mode=_ONE_TO_ALL)
@@ -276,9 +280,10 @@ class VerlCluster:
         self.rollout.use_backend(config)  # pyright: ignore[reportAttributeAccessIssue]
         self.config = config
 
-    def perturb(self, step: int) -> dict[str, str]:
-        """New weights on every trainer rank; returns what every replica must receive."""
-        return self.actor_wg.perturb(step)[0]  # pyright: ignore[reportAttributeAccessIssue]
+    def perturb(self, step: int, fraction: float = 1.0) -> dict[str, str]:
+        """New weights on every trainer rank (about ``fraction`` of each tensor's elements
+        changed); returns what every replica must receive."""
+        return self.actor_wg.perturb(step, fraction)[0]  # pyright: ignore[reportAttributeAccessIssue]
 
     def nbytes(self) -> int:
         """Bytes of one copy of the trainer's weights."""

@@ -11,13 +11,14 @@ in part: the next sync is a full one.
 
 from __future__ import annotations
 
+import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from weightsync_core.bucketing import cast_for_rollout, iter_named_tensors
+from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
 from weightsync_core.delta.patch import PatchDigestError, apply_patch, encode_patch
 from weightsync_core.errors import ManifestChangedError, VerificationError, WeightSyncError
 
@@ -40,6 +41,35 @@ class DeltaPlan:
     def is_delta(self) -> bool:
         """Whether tensors travel as patches against ``base``."""
         return self.base is not None
+
+    @classmethod
+    def new(cls, base: str | None = None) -> DeltaPlan:
+        """A plan with a fresh random token for the version it makes."""
+        return cls(version=secrets.token_hex(8), base=base)
+
+    @classmethod
+    def agreed(cls, held: Sequence[str | None]) -> DeltaPlan:
+        """The plan of a sync whose sending rank and receivers hold the versions ``held``
+        (what each process's ``prepare()`` reported, say): deltas against their version
+        where all hold the same one, else a full sync."""
+        first = held[0] if held else None
+        return cls.new(first if first is not None and all(v == first for v in held) else None)
+
+    @classmethod
+    def from_arguments(cls, delta_base: str | None, delta_version: str | None
+                       ) -> DeltaPlan | None:
+        """The plan handed to a process as ``delta_base`` and ``delta_version`` arguments;
+        None where the sync is not delta-enabled (``delta_version`` None).
+
+        Raises:
+            ValueError: a ``delta_base`` without a ``delta_version``.
+        """
+        if delta_version is None:
+            if delta_base is not None:
+                raise ValueError("delta_base needs a delta_version (the version this sync "
+                                 "makes)")
+            return None
+        return cls(version=delta_version, base=delta_base)
 
 
 @dataclass
@@ -111,7 +141,7 @@ class DeltaSender(_Versioned):
     memory) and encodes each new tensor as a patch against it."""
 
     async def encode(
-        self, weights: AsyncIterable[tuple[str, torch.Tensor]], plan: DeltaPlan,
+        self, weights: WeightsSource, plan: DeltaPlan,
         rollout_dtype: torch.dtype | None, who: str = "this actor rank",
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """``weights`` as this sync sends them: cast to ``rollout_dtype``, then whole (a

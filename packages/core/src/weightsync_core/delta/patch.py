@@ -153,9 +153,10 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
             where = _pack_bits(changed_mask)
         sections = [_section(where, where.numel()),
                     _section(values.view(torch.uint8), changed * word_bytes)]
-    old_words.index_copy_(0, positions, values)
-    if old_words.device != old.device:  # diffed where the new tensor lives
-        _words(old).copy_(old_words)
+    if old_words.device == old.device:
+        old_words.index_copy_(0, positions, values)
+    else:  # diffed where the new tensor lives: only the changed elements go back
+        _words(old).index_copy_(0, positions.to(old.device), values.to(old.device))
     patch = torch.cat([header, *sections])
     return patch, PatchStats(kind, numel, changed, patch.numel())
 
