@@ -48,8 +48,8 @@ def test_gloo_replicas_hold_exactly_the_actor_weights(gloo_run):
     rows, checksums = gloo_run
     assert len(checksums["rollout"]) == 2
     assert checksums["rollout"] == [checksums["actor"]] * 2
-    # every sync after the first sent patches against the replicas' last version
-    assert [row["weightsync/delta"] for row in rows] == [0.0] + [1.0] * (len(rows) - 1)
+    # the start-up sync was full; every step's sync sent patches against the replicas' copy
+    assert [row["weightsync/delta"] for row in rows] == [1.0] * len(rows)
 
 
 def test_manager_that_moves_nothing_does_not_improve(noop_run, gloo_run):

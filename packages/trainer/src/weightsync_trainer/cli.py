@@ -117,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{summary['window']} steps {summary['reward_last']:.3f}; weight sync "
         f"{summary['sync_seconds_mean'] * 1e3:.1f} ms/step, {summary['sync_gbps_mean']:.3f} GB/s "
         f"({summary['sync_bytes_mean'] / 1e6:.2f} MB sent per sync"
-        + (f", {summary['changed_fraction_mean']:.1%} of the elements changed per step after "
-           "the first" if "changed_fraction_mean" in summary else "")
+        + (f", {summary['changed_fraction_mean']:.1%} of the elements changed per delta sync"
+           if "changed_fraction_mean" in summary else "")
         + ")\n"
         f"wrote {output}/metrics.jsonl, metrics.png, summary.json, config.yaml, "
         "weights/model.safetensors"

@@ -22,11 +22,14 @@ def write_jsonl(path: Path, rows: Rows) -> None:
 
 
 def summarize(rows: Rows, window: int = 5) -> dict[str, float]:
-    """Mean reward of the first and last ``window`` steps, and mean sync figures."""
+    """Mean reward of the first and last ``window`` steps, and mean sync figures (with
+    delta sync, the mean fraction of elements changed over the syncs that sent patches)."""
     window = max(1, min(window, len(rows) // 2 or 1))
 
     def mean(key: str, part: Rows) -> float:
         return sum(row[key] for row in part) / len(part)
+
+    deltas = [row for row in rows if row.get("weightsync/delta") == 1.0]
 
     return {
         "steps": len(rows),
@@ -37,8 +40,8 @@ def summarize(rows: Rows, window: int = 5) -> dict[str, float]:
         "sync_gbps_mean": mean("weightsync/gbps", rows),
         "sync_bytes": rows[-1]["weightsync/bytes"],
         "sync_bytes_mean": mean("weightsync/bytes", rows),
-        **({"changed_fraction_mean": mean("weightsync/changed_fraction", rows[1:] or rows)}
-           if "weightsync/changed_fraction" in rows[-1] else {}),
+        **({"changed_fraction_mean": mean("weightsync/changed_fraction", deltas)}
+           if deltas else {}),
         "step_seconds_mean": mean("timing/step_s", rows),
     }
 
