@@ -87,6 +87,20 @@ def test_a_patch_of_another_size_or_no_patch_is_refused():
         apply_patch(patch, torch.zeros(11), "w")
     with pytest.raises(ValueError, match="which is no patch"):
         apply_patch(torch.ones(40), torch.zeros(10), "w")
+    sparse = torch.zeros(100)
+    sparse[7] = 1.0
+    patch, stats = encode_patch(sparse, torch.zeros(100))
+    assert stats.kind is PatchKind.POSITIONS
+    for position in (100, -1):  # a position past the end, or before the start
+        forged = patch.clone()
+        forged[32:36] = torch.tensor([position], dtype=torch.int32).view(torch.uint8)
+        with pytest.raises(ValueError, match="positions outside its 100 elements"):
+            apply_patch(forged, torch.zeros(100), "w")
+    with pytest.raises(ValueError, match="holds 1 positions and 0 values"):
+        apply_patch(patch[:-8], torch.zeros(100), "w")  # its values cut off
+    whole, _ = encode_patch(torch.ones(10), torch.zeros(10))
+    with pytest.raises(ValueError, match="the patch is malformed"):
+        apply_patch(whole[:-16], torch.zeros(10), "w")
     with pytest.raises(ValueError, match="same shape and dtype"):
         encode_patch(torch.ones(10), torch.zeros(10, dtype=torch.float16))
 

@@ -222,9 +222,21 @@ def apply_patch(patch: torch.Tensor, baseline: torch.Tensor, name: str) -> Patch
         raise ValueError(f"tensor {name!r}: the patch (magic {magic!r}, kind {kind}, "
                          f"{numel} elements) does not fit this worker's copy "
                          f"({words.numel()} elements)")
-    payload = patch[PATCH_HEADER_BYTES:].to(words.device)
+    try:
+        _apply_payload(patch[PATCH_HEADER_BYTES:].to(words.device), words, PatchKind(kind),
+                       numel, changed, name)
+    except (RuntimeError, IndexError) as exc:  # positions out of range, sections cut short
+        raise ValueError(f"tensor {name!r}: the patch is malformed ({exc})") from None
+    actual = tensor_digest(baseline, digest_kind)[1]
+    if actual != digest:
+        raise PatchDigestError(name, actual, digest)
+    return PatchStats(PatchKind(kind), numel, changed, patch.numel())
+
+
+def _apply_payload(payload: torch.Tensor, words: torch.Tensor, kind: PatchKind, numel: int,
+                   changed: int, name: str) -> None:
+    """Write a patch's payload into ``words`` (the receiver's copy, flat)."""
     word_bytes = words.element_size()
-    kind = PatchKind(kind)
     if kind == PatchKind.WHOLE:
         words.copy_(_typed(payload[: numel * word_bytes], words.dtype))
     elif kind != PatchKind.UNCHANGED:
@@ -237,15 +249,14 @@ def apply_patch(patch: torch.Tensor, baseline: torch.Tensor, name: str) -> Patch
             positions = _unpack_bits(payload[:where_bytes], numel).nonzero().reshape(-1)
         start = _padded(where_bytes)
         values = _typed(payload[start : start + changed * word_bytes], words.dtype)
+        if changed and (int(positions.min()) < 0 or int(positions.max()) >= numel):
+            raise ValueError(f"tensor {name!r}: the patch holds positions outside its "
+                             f"{numel} elements")
         if positions.numel() != changed or values.numel() != changed:
             raise ValueError(f"tensor {name!r}: the patch announces {changed} changed "
                              f"elements but holds {positions.numel()} positions and "
                              f"{values.numel()} values")
         words.index_copy_(0, positions, values)
-    actual = tensor_digest(baseline, digest_kind)[1]
-    if actual != digest:
-        raise PatchDigestError(name, actual, digest)
-    return PatchStats(kind, numel, changed, patch.numel())
 
 
 class PatchDigestError(ValueError):
