@@ -333,12 +333,8 @@ class CheckpointEngineWorker:
         version of that token, which this worker must hold
         (:class:`~weightsync_core.delta.DeltaReceiver`)."""
         engine = self.checkpoint_engine
-        weights = engine.receive_weights(global_steps)
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
-        if plan is None:
-            self.delta_receiver.forget()
-        else:
-            weights = self.delta_receiver.decode(weights, plan)
+        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan)
         stats = await self._load(weights, global_steps, allow_manifest_change)
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
@@ -461,15 +457,12 @@ class ActorCheckpointEngineMixin:
         of that token (:class:`~weightsync_core.delta.DeltaSender`)."""
         engine = self.checkpoint_engine
         taken = TransferStats()
-        weights: Any = _ProducedWeights(self.iter_weights(), engine.progress, taken,
-                                        contiguous=_written_for_verl(engine))
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
-        if plan is not None and encoding:
-            weights = self.delta_sender.encode(
-                weights, plan, parse_dtype(self.checkpoint_engine_config.rollout_dtype))
-        else:
-            self.delta_sender.forget()
+        weights = self.delta_sender.stream(
+            _ProducedWeights(self.iter_weights(), engine.progress, taken,
+                             contiguous=_written_for_verl(engine)),
+            plan, parse_dtype(self.checkpoint_engine_config.rollout_dtype), encoding)
         stats = await engine.send_weights(weights, global_steps)
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             if not taken.num_tensors:  # it would only end the sync, blaming the receivers

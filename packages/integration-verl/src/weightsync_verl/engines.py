@@ -161,10 +161,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         the sender's counts."""
         plan = self._plan
         encoding = plan is not None and self.engine.sends_weights()
-        if plan is not None and encoding:
-            weights = self.delta_sender.encode(weights, plan, self.engine.rollout_dtype)
-        else:
-            self.delta_sender.forget()
+        weights = self.delta_sender.stream(weights, plan, self.engine.rollout_dtype, encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
         if not self._stats.num_tensors:
             return {}
@@ -191,11 +188,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         """The weightsync engine's received tensors (with delta sync, whole tensors rebuilt
         from their patches), counted for :meth:`transfer_stats`."""
         self._stats = TransferStats()
-        received = self.engine.receive_weights(global_steps)
-        if self._plan is None:
-            self.delta_receiver.forget()
-        else:
-            received = self.delta_receiver.decode(received, self._plan)
+        received = self.delta_receiver.stream(self.engine.receive_weights(global_steps),
+                                              self._plan)
         async for name, tensor in received:
             self._stats.num_tensors += 1
             self._stats.nbytes += tensor.numel() * tensor.element_size()

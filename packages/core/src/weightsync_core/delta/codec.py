@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -82,7 +82,6 @@ class DeltaStats:
     model_bytes: int = 0
     wire_bytes: int = 0
     seconds: float = 0.0
-    kinds: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for metrics (``delta_`` prefixed)."""
@@ -107,11 +106,6 @@ class _Versioned:
         self.baselines: dict[str, torch.Tensor] = {}
         self.version: str | None = None
         self.last_stats = DeltaStats()
-
-    @property
-    def baseline_bytes(self) -> int:
-        """Host memory the baselines take."""
-        return sum(t.numel() * t.element_size() for t in self.baselines.values())
 
     def forget(self) -> None:
         """Drop the baselines and the token (the next sync must be full)."""
@@ -139,6 +133,17 @@ class _Versioned:
 class DeltaSender(_Versioned):
     """The sending actor rank's side: keeps the last sent version (rollout dtype, host
     memory) and encodes each new tensor as a patch against it."""
+
+    def stream(self, weights: WeightsSource, plan: DeltaPlan | None,
+               rollout_dtype: torch.dtype | None, sending: bool = True) -> WeightsSource:
+        """What a sending process hands its engine: ``weights`` encoded for ``plan``
+        (:meth:`encode`), or, where the sync is not delta-enabled (``plan`` None) or this
+        process does not send (``sending`` False), ``weights`` as they are, this side's copy
+        dropped (the receivers' copies no longer match it)."""
+        if plan is None or not sending:
+            self.forget()
+            return weights
+        return self.encode(weights, plan, rollout_dtype)
 
     async def encode(
         self, weights: WeightsSource, plan: DeltaPlan,
@@ -172,8 +177,6 @@ class DeltaSender(_Versioned):
             stats.seconds += time.perf_counter() - start
             stats.changed += patch_stats.changed
             stats.wire_bytes += patch_stats.nbytes
-            kind = patch_stats.kind.name.lower()
-            stats.kinds[kind] = stats.kinds.get(kind, 0) + 1
             yield name, patch
         self._end(plan, seen)
 
@@ -196,6 +199,16 @@ class DeltaReceiver(_Versioned):
     """A rollout worker's side: keeps the last received version (host memory) and rebuilds
     each tensor of a delta sync from its patch, checking the whole result against the
     sender's digest before the server sees it."""
+
+    def stream(self, received: AsyncIterator[tuple[str, torch.Tensor]],
+               plan: DeltaPlan | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """What a receiving process hands its server: ``received`` decoded for ``plan``
+        (:meth:`decode`), or, where the sync is not delta-enabled, ``received`` as it is,
+        this side's copy dropped (the weights change under it)."""
+        if plan is None:
+            self.forget()
+            return received
+        return self.decode(received, plan)
 
     async def decode(
         self, stream: AsyncIterator[tuple[str, torch.Tensor]], plan: DeltaPlan,
