@@ -15,6 +15,7 @@ library; zstd and lz4 are not installed here).
 
 from __future__ import annotations
 
+import statistics
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
@@ -142,8 +143,7 @@ def _encoding_sample(learning_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _median_row(mode: str, samples: list[dict[str, float]]) -> SyncRow:
     def median(key: str) -> float:
-        values = sorted(sample.get(key, 0.0) for sample in samples)
-        return values[len(values) // 2]
+        return statistics.median(sample.get(key, 0.0) for sample in samples)
 
     return SyncRow(mode, median("weightsync/bytes"), median("weightsync/seconds/transfer"),
                    median("weightsync/seconds/total"), median("weightsync/changed_fraction"),
