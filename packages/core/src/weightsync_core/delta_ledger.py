@@ -3,25 +3,30 @@ delta-enabled syncs end: what decides whether a sync can send deltas."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from weightsync_core.delta import DeltaPlan
 
 __all__ = ["DeltaLedger"]
 
+_Replica = TypeVar("_Replica")
+
 
 class DeltaLedger:
     """The manager's record of delta versions.
 
-    A sync sends deltas against the actor side's version only when every replica in it
-    holds that version; otherwise (a new or re-added replica, one whose last sync failed,
-    the first sync, a change of layout, every ``full_every``-th sync) it is a full one.
+    A sync sends deltas against the actor side's version to the replicas that hold that
+    version, and whole tensors to the others (a new or re-added replica, one whose last
+    sync failed or was loaded another way): see :meth:`rounds`. Everyone gets whole tensors
+    on the first sync, after a failed one, on a change of layout and every
+    ``full_every``-th sync.
     The processes check the plan themselves too: a process asked to send or apply deltas
     against a version it does not hold (say, it restarted) fails the sync before applying
     anything, and the next sync is a full one.
 
     Args:
-        full_every: make every Nth sync full (0: only when needed).
+        full_every: make every Nth sync a whole copy for everyone (0: only when needed).
     """
 
     def __init__(self, full_every: int = 0) -> None:
@@ -35,22 +40,32 @@ class DeltaLedger:
         entry = self._replica_versions.get(id(replica))
         return entry[1] if entry is not None and entry[0] is replica else None
 
-    def plan(self, replicas: Iterable[object], *, force_full: bool = False) -> DeltaPlan:
-        """The plan of a sync to ``replicas``: a new version's token, and the base its
-        deltas are against (None: a full sync)."""
+    def rounds(self, replicas: Sequence[_Replica], *, force_full: bool = False
+               ) -> list[tuple[list[_Replica], DeltaPlan]]:
+        """How a sync to ``replicas`` moves a new version (one fresh token): patches to the
+        replicas that hold the actor side's version, then whole tensors to the rest; one
+        round where all or none hold it. Patches go first: the actor side's copy is the base
+        they are against until they have been sent."""
+        full = DeltaPlan.new()
         base = self._actor_version
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
-        if force_full or due or base is None or any(self.holds(r) != base for r in replicas):
-            return DeltaPlan.new()
-        return DeltaPlan.new(base)
+        if force_full or due or base is None:
+            return [(list(replicas), full)]
+        holders = [r for r in replicas if self.holds(r) == base]
+        others = [r for r in replicas if self.holds(r) != base]
+        delta = DeltaPlan(full.version, base)
+        return [(group, plan) for group, plan in ((holders, delta), (others, full)) if group]
 
-    def succeeded(self, replicas: Iterable[object], plan: DeltaPlan) -> None:
-        """Record a sync that ended complete: the actor side and ``replicas`` hold its
-        version."""
-        self._actor_version = plan.version
-        self._since_full = self._since_full + 1 if plan.is_delta else 0
-        for replica in replicas:
-            self._replica_versions[id(replica)] = (replica, plan.version)
+    def succeeded(self, rounds: Iterable[tuple[Iterable[object], DeltaPlan]]) -> None:
+        """Record a sync that ended complete, by its :meth:`rounds`: the actor side and
+        every replica hold its version."""
+        rounds = list(rounds)
+        patched = any(plan.is_delta for _, plan in rounds)
+        self._since_full = self._since_full + 1 if patched else 0
+        for replicas, plan in rounds:
+            self._actor_version = plan.version
+            for replica in replicas:
+                self._replica_versions[id(replica)] = (replica, plan.version)
 
     def failed(self, replicas: Iterable[object]) -> None:
         """Record a failed sync: neither the actor side nor ``replicas`` hold a known

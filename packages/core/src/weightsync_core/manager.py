@@ -10,7 +10,7 @@ import logging
 import sys
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import ray
@@ -134,6 +134,23 @@ class _SyncProcesses:
             raise TypeError(f"{type(self.rollout).__qualname__} has no "
                             "update_weights_from_cache: its workers cannot load from a cache")
         return lambda: list(zip(self.layout.rollout_names, load(global_steps), strict=True))
+
+
+@dataclass
+class _Round:
+    """One transfer of a sync: to ``replicas``, under delta ``plan`` (None: not
+    delta-enabled); ``sent`` and ``loaded`` are what the senders and the rollout workers
+    reported once it ran."""
+
+    replicas: list[RolloutReplica]
+    plan: DeltaPlan | None
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    loaded: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def moves_patches(self) -> bool:
+        """Whether the round moves patches (else whole tensors)."""
+        return self.plan is not None and self.plan.is_delta
 
 
 class CheckpointEngineManager:
@@ -369,33 +386,30 @@ class CheckpointEngineManager:
         self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
         allow_manifest_change: bool,
     ) -> dict[str, float]:
-        """One sync to ``replicas``: pause them, move the weights, resume them; returns the
+        """One sync to ``replicas``: pause them, move the weights (in one round, or, in a
+        delta sync where only some replicas hold the actor side's version, a round of
+        patches to those and one of whole tensors to the rest), resume them; returns the
         metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised."""
         stages = self._stages()
         await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
         paused = replicas if not self.backend_cls.is_colocated else []
-        options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
-        plan = self._delta_plan(replicas, from_cache, allow_manifest_change)
-        if plan is not None:
-            options.update(delta_base=plan.base, delta_version=plan.version)
+        rounds = self._rounds(replicas, from_cache, allow_manifest_change)
+        done: list[_Round] = []
         try:
             await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"))
             await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"))
-            loaded: list[dict[str, Any]] = []
-            if self.backend_cls.is_colocated:
-                sent = await self._hand_over_in_process(stages, global_steps, options)
-            else:
-                sent, loaded = await self._send_to_replicas(
-                    stages, replicas, global_steps, from_cache, options
-                )
-            self._check_tensors_moved(sent)
+            for round_ in rounds:
+                await self._move(stages, round_, global_steps, from_cache,
+                                 allow_manifest_change, mixed=len(rounds) > 1)
+                done.append(round_)
         except BaseException as exc:
             if self.delta_ledger is not None:
                 self.delta_ledger.failed(replicas)
             error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
-            await asyncio.shield(self._recover(error, replicas))
+            in_flight = rounds[len(done)].replicas
+            await asyncio.shield(self._recover(error, replicas, in_flight))
             if error is exc or isinstance(exc, asyncio.CancelledError):
                 raise
             raise error from exc
@@ -403,25 +417,58 @@ class CheckpointEngineManager:
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
         if self.delta_ledger is not None:
-            if plan is None:  # loaded from the cache: no copy kept for deltas
+            if from_cache:  # loaded from the cache: no copy kept for deltas
                 self.delta_ledger.forget(replicas)
             else:
-                self.delta_ledger.succeeded(replicas, plan)
+                self.delta_ledger.succeeded(
+                    (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
         await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
                          min_seconds=_CLEANUP_SECONDS)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
                          min_seconds=_CLEANUP_SECONDS)
-        metrics = self._sync_metrics(stages, sent, len(replicas))
-        if plan is not None:
-            metrics.update(_delta_metrics(sent, loaded, plan))
+        metrics = self._sync_metrics(stages, rounds, len(replicas))
+        if self.delta_ledger is not None and not from_cache:
+            metrics.update(_delta_metrics(rounds))
         return metrics
 
-    def _delta_plan(self, replicas: list[RolloutReplica], from_cache: bool,
-                    allow_manifest_change: bool) -> DeltaPlan | None:
-        """This sync's delta plan (None: not delta-enabled, or a load from the cache)."""
+    def _rounds(self, replicas: list[RolloutReplica], from_cache: bool,
+                allow_manifest_change: bool) -> list[_Round]:
+        """How this sync moves the weights: one round to every replica, or, in a delta sync
+        where only some hold the actor side's version, patches to those first, then whole
+        tensors to the rest (:meth:`DeltaLedger.rounds`)."""
         if self.delta_ledger is None or from_cache:
-            return None
-        return self.delta_ledger.plan(replicas, force_full=allow_manifest_change)
+            return [_Round(replicas, None)]
+        return [_Round(group, plan) for group, plan in
+                self.delta_ledger.rounds(replicas, force_full=allow_manifest_change)]
+
+    async def _move(self, stages: SyncStages, round_: _Round, global_steps: int | None,
+                    from_cache: bool, allow_manifest_change: bool, mixed: bool) -> None:
+        """One round's transfer; fills in what ``round_`` sent and loaded. A failure in one
+        of the two rounds of a mixed delta sync says which replicas it moved to (its error
+        numbers replicas within the round)."""
+        options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
+        if round_.plan is not None:
+            options.update(delta_base=round_.plan.base, delta_version=round_.plan.version)
+        try:
+            if self.backend_cls.is_colocated:
+                round_.sent = await self._hand_over_in_process(stages, global_steps, options)
+            else:
+                round_.sent, round_.loaded = await self._send_to_replicas(
+                    stages, round_.replicas, global_steps, from_cache, options
+                )
+            self._check_tensors_moved(round_.sent)
+        except SyncStageError as error:
+            if mixed:
+                error.args = (f"{error.args[0]} [in the round of "
+                              f"{'patches' if round_.moves_patches else 'whole tensors'} to "
+                              f"replica(s) {self._indices(round_.replicas)} of this manager; "
+                              "replica and rank numbers above count within the round]",)
+            raise
+
+    def _indices(self, replicas: list[RolloutReplica]) -> list[int]:
+        """The positions of ``replicas`` among the managed ones."""
+        return [index for index, known in enumerate(self.replicas)
+                if any(known is replica for replica in replicas)]
 
     async def _hand_over_in_process(
         self, stages: SyncStages, global_steps: int | None, options: dict[str, Any]
@@ -552,17 +599,22 @@ class CheckpointEngineManager:
 
     @staticmethod
     def _sync_metrics(
-        stages: SyncStages, sent: list[dict[str, Any]], replicas: int
+        stages: SyncStages, rounds: list[_Round], replicas: int
     ) -> dict[str, float]:
-        """The stages' timings and what the sync moved (see :meth:`update_weights`)."""
+        """The stages' timings (summed over rounds) and what the sync moved (see
+        :meth:`update_weights`)."""
         metrics = dict(stages.metrics)
         total = stages.elapsed()
-        nbytes = max((result.get("nbytes", 0) for result in sent), default=0)
+        nbytes = sum(max((r.get("nbytes", 0) for r in round_.sent), default=0)
+                     for round_ in rounds)
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
         metrics.update({
             "weightsync/bytes": float(nbytes),
-            "weightsync/tensors": float(max((r.get("num_tensors", 0) for r in sent), default=0)),
-            "weightsync/buckets": float(max((r.get("num_buckets", 0) for r in sent), default=0)),
+            "weightsync/tensors": float(max(
+                (r.get("num_tensors", 0) for round_ in rounds for r in round_.sent), default=0)),
+            "weightsync/buckets": float(sum(
+                max((r.get("num_buckets", 0) for r in round_.sent), default=0)
+                for round_ in rounds)),
             "weightsync/replicas": float(replicas),
             "weightsync/seconds/total": total,
             "weightsync/transfer_gbps": (
@@ -623,47 +675,58 @@ class CheckpointEngineManager:
             await asyncio.wait(tasks, timeout=_CLEANUP_GRACE_SECONDS)
         self._cleanup += [call for call in calls if isinstance(call, ray.ObjectRef)]
 
-    async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica]) -> None:
-        """After a failed sync: abort the engines everywhere (dropping groups that may be
-        half-used), then mark the replicas stale if bytes had started to move, else resume
-        those that do not already hold incomplete weights from an earlier failure. Returns
-        after :data:`_CLEANUP_GRACE_SECONDS`: what is still running is awaited by the next
-        sync."""
-        workers = [worker for replica in replicas for worker in replica.workers]
+    async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica],
+                       in_flight: list[RolloutReplica]) -> None:
+        """After a failed sync to ``replicas``: abort the engines of the round that failed
+        (``in_flight``'s workers and the actor ranks; dropping groups that may be
+        half-used), mark ``in_flight`` stale if bytes had started to move, and resume the
+        replicas that do not hold incomplete weights (those of a round that ended, and those
+        of none yet). Returns after :data:`_CLEANUP_GRACE_SECONDS`: what is still running is
+        awaited by the next sync."""
+        workers = [worker for replica in in_flight for worker in replica.workers]
         cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
                    *_abort_calls(lambda: self.rollout_group(workers), "the rollout workers")]
         await self._finish_cleanup(cleanup)
         if error.stage in _TRANSFER_STAGES:
             self.stale_replicas += [
-                r for r in replicas if not any(r is stale for stale in self.stale_replicas)
+                r for r in in_flight if not any(r is stale for stale in self.stale_replicas)
             ]
+            others = len(replicas) - len(in_flight)
+            resumed = f"; the {others} other replica(s) were resumed" if others else ""
             error.args = (
-                f"{error.args[0]}. The {len(replicas)} replica(s) in this sync were left paused "
-                "with incomplete weights (see manager.stale_replicas); fix the cause and call "
-                "update_weights again, or remove_replicas() the broken ones.",
+                f"{error.args[0]}. The {len(in_flight)} replica(s) it moved to were left "
+                "paused with incomplete weights (see manager.stale_replicas); fix the cause and "
+                f"call update_weights again, or remove_replicas() the broken ones{resumed}.",
             )
-            return
         if self.backend_cls.is_colocated:
             return  # its replicas were never paused
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
         await self._finish_cleanup([_resume(replica) for replica in untouched])
 
 
-def _delta_metrics(sent: list[dict[str, Any]], loaded: list[dict[str, Any]],
-                   plan: DeltaPlan) -> dict[str, float]:
-    """What the sending rank of a delta-enabled sync reported (whether it sent deltas, the
-    weights' size, the fraction of elements that changed, the seconds spent diffing) and
-    the longest any rollout worker spent applying patches."""
-    reported = next((result for result in sent if "delta_elements" in result), {})
-    elements = reported.get("delta_elements", 0.0)
+def _delta_metrics(rounds: list[_Round]) -> dict[str, float]:
+    """What the sending rank of a delta-enabled sync reported (the weights' size, the
+    fraction of elements that changed, the seconds spent diffing), the fraction of its
+    replicas that got patches (``delta``: 1 or 0 where it was one round) and the longest
+    any rollout worker spent applying them."""
+    def reported(round_: _Round) -> dict[str, Any]:
+        return next((result for result in round_.sent if "delta_elements" in result), {})
+
+    patched = [round_ for round_ in rounds if round_.moves_patches]
+    first = reported((patched or rounds)[0])
+    elements = first.get("delta_elements", 0.0)
+    replicas = sum(len(round_.replicas) for round_ in rounds)
     return {
-        "weightsync/seconds/apply": max(
-            (result.get("delta_seconds", 0.0) for result in loaded), default=0.0),
-        "weightsync/delta": 1.0 if plan.is_delta else 0.0,
-        "weightsync/model_bytes": reported.get("delta_model_bytes", 0.0),
+        "weightsync/seconds/apply": max((result.get("delta_seconds", 0.0)
+                                         for round_ in rounds for result in round_.loaded),
+                                        default=0.0),
+        "weightsync/delta": (sum(len(round_.replicas) for round_ in patched) / replicas
+                             if replicas else 0.0),
+        "weightsync/model_bytes": first.get("delta_model_bytes", 0.0),
         "weightsync/changed_fraction": (
-            reported.get("delta_changed", 0.0) / elements if elements else 0.0),
-        "weightsync/seconds/diff": reported.get("delta_seconds", 0.0),
+            first.get("delta_changed", 0.0) / elements if elements else 0.0),
+        "weightsync/seconds/diff": sum(reported(round_).get("delta_seconds", 0.0)
+                                       for round_ in rounds),
     }
 
 

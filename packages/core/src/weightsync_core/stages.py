@@ -39,7 +39,7 @@ class SyncStages:
     """Runs the stages of one sync (or one replica lifecycle call) under one deadline,
     ``timeout_seconds`` from now, and records how long each took in :attr:`metrics`
     (``weightsync/seconds/<stage>``: from the end of the previous stage, or from the start,
-    to the end of this one).
+    to the end of this one; summed where a stage runs more than once).
 
     Args:
         backend: the backend's name, for error messages.
@@ -87,7 +87,8 @@ class SyncStages:
         deadline = max(self.deadline, self._loop.time() + min_seconds)
         results = await self._run_calls(name, calls(), deadline, probe)
         now = self._loop.time()
-        self.metrics[f"weightsync/seconds/{name}"] = now - self._stage_start
+        key = f"weightsync/seconds/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + now - self._stage_start
         self._stage_start = now
         return results
 

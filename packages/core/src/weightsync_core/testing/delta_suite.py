@@ -34,6 +34,8 @@ class DeltaSyncConformanceTests(_ConformanceBase):
 
     case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {
         "test_delta_added_replica_gets_a_full_copy_then_deltas": (("replica", 1),),
+        "test_delta_failed_whole_copy_round_leaves_the_patched_replica_serving": (
+            ("replica", 1),),
     }
 
     def _delta_manager(self, harness: SyncHarness, replicas=None,
@@ -132,9 +134,41 @@ class DeltaSyncConformanceTests(_ConformanceBase):
                 updates.append((_SEED + step, _SPARSE))
                 deltas.append(self._sync(harness, manager, updates, step, both)
                               ["weightsync/delta"])
-            # the newcomer holds nothing: full; then deltas; every 4th sync is full again
-            assert deltas == [0.0, 1.0, 1.0, 1.0, 0.0], deltas
+            # the newcomer holds nothing: whole tensors to it, patches to the first replica
+            # in the same sync; then patches to both; every 4th sync is full for both
+            assert deltas == [0.5, 1.0, 1.0, 0.0, 1.0], deltas
         finally:
             manager.remove_replicas([newcomer])
             for worker in newcomer.workers:
                 ray.kill(worker)
+
+    def test_delta_failed_whole_copy_round_leaves_the_patched_replica_serving(
+        self, harness: SyncHarness
+    ) -> None:
+        first = harness.replicas[0]
+        manager = self._delta_manager(harness, [first],
+                                      sync_timeout_seconds=self.failure_timeout_seconds)
+        updates = [(_SEED + 50, _SPARSE)]
+        self._sync(harness, manager, updates, 150, [first])
+        newcomer = harness.new_replica(1, name="newcomer")
+        try:
+            ray.get(newcomer.workers[0].set_faults.remote(die_after=1))
+            manager.add_replicas([newcomer])
+            updates.append((_SEED + 51, _SPARSE))
+            expected = harness.set_weights(seed=_SEED, updates=updates)
+            with pytest.raises(SyncStageError, match=r"in the round of whole tensors to "
+                               r"replica\(s\) \[1\] of this manager") as info:
+                manager.update_weights_sync(global_steps=151)
+            assert info.value.stage == "transfer"
+            assert "the 1 other replica(s) were resumed" in str(info.value)
+            # the first replica got its patches in the round before, and serves them
+            assert [id(r) for r in manager.stale_replicas] == [id(newcomer)]
+            self.assert_delivered(harness, expected, [first])
+            for report in harness.reports([first]):
+                assert report["lifecycle"][-2:] == ["resume_kv_cache", "resume_generation"]
+        finally:
+            manager.remove_replicas([newcomer])
+            for worker in newcomer.workers:
+                ray.kill(worker)
+        healed = self._sync(harness, manager, updates, 152, [first])
+        assert healed["weightsync/delta"] == 0.0  # the actor side's copy is not trusted
