@@ -114,11 +114,43 @@ async def _aiter(pairs):
         yield pair
 
 
-def _sync(sender, receiver, weights, plan, dtype=None):
+def _sync(sender, receiver, weights, plan, dtype=None, server=None):
+    """One sync from ``sender`` to ``receiver``; ``server``, if given, loads what arrives
+    (copying it into its tensor of each name, unless it is that tensor) and offers its
+    tensors for patching in place."""
     async def run():
         sent = await _collect(sender.encode(_aiter(weights.items()), plan, dtype))
-        return dict(await _collect(receiver.decode(_aiter(sent), plan))), sent
+        received = {}
+        async for name, tensor in receiver.decode(_aiter(sent), plan, in_place=server):
+            if server is not None and tensor.data_ptr() != server[name].data_ptr():
+                server[name].copy_(tensor)
+            received[name] = tensor
+        return received, sent
     return asyncio.run(run())
+
+
+def test_a_server_that_offers_its_tensors_is_patched_in_place_and_no_copy_is_kept():
+    weights = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    server = {"w": torch.zeros(64, 64, dtype=torch.bfloat16),  # patched in place
+              "b": torch.zeros(64)}  # another dtype than what arrives: a host copy
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    _sync(sender, receiver, weights, DeltaPlan(version="v1"), torch.bfloat16, server)
+    assert receiver.baselines["w"] is server["w"]
+    assert receiver.kept_bytes == 64 * 2  # only "b"'s copy
+    storage = server["w"].data_ptr()
+    for step, version in enumerate(("v2", "v3"), start=1):
+        weights = sparse_updates(weights, [(step, 0.02)])
+        base = receiver.version
+        received, _ = _sync(sender, receiver, weights, DeltaPlan(version, base),
+                            torch.bfloat16, server)
+        assert received["w"].data_ptr() == storage  # the server's own tensor, patched
+        assert torch.equal(_bytes(server["w"]), _bytes(weights["w"].bfloat16()))
+        assert torch.equal(server["b"], weights["b"].bfloat16().float())
+    server["w"][0, 0] += 1  # the server changed its weights behind the receiver's back
+    weights = sparse_updates(weights, [(9, 0.02)])
+    with pytest.raises(VerificationError, match="tensor 'w' rebuilt from its delta"):
+        _sync(sender, receiver, weights, DeltaPlan("v4", receiver.version), torch.bfloat16,
+              server)
 
 
 def test_sender_and_receiver_move_versions_and_forget_on_failure():

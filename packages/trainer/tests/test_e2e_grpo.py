@@ -2,6 +2,7 @@
 replicas really receive the actor's weights every step."""
 
 import pytest
+import ray
 from trainer_test_helpers import mean_reward, run_experiment
 
 from weightsync_core import BackendState, CheckpointEngineRegistry
@@ -21,6 +22,9 @@ def gloo_run():
     """gloo with delta sync on: after the first full sync, patches (bit-exact or refused)."""
     runner, rows = _run("gloo", STEPS, "rollout.checkpoint_engine.delta=true")
     checksums = runner.trainer.weights_checksums()
+    checksums["statuses"] = ray.get([
+        worker.weights_status.remote()
+        for replica in runner.trainer.server_manager.replicas for worker in replica.workers])
     runner.trainer.shutdown()
     return rows, checksums
 
@@ -50,6 +54,8 @@ def test_gloo_replicas_hold_exactly_the_actor_weights(gloo_run):
     assert checksums["rollout"] == [checksums["actor"]] * 2
     # the start-up sync was full; every step's sync sent patches against the replicas' copy
     assert [row["weightsync/delta"] for row in rows] == [1.0] * len(rows)
+    # the replicas' parameters were patched in place: their workers keep no copy of them
+    assert [status["delta_kept_bytes"] for status in checksums["statuses"]] == [0, 0]
 
 
 def test_manager_that_moves_nothing_does_not_improve(noop_run, gloo_run):

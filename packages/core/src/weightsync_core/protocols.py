@@ -82,7 +82,15 @@ class RolloutReplica(Protocol):
 
 @runtime_checkable
 class ServerAdapter(Protocol):
-    """The inference server inside a rollout worker process, as the engine sees it."""
+    """The inference server inside a rollout worker process, as the engine sees it.
+
+    Optional: ``patchable_weights() -> Mapping[str, torch.Tensor]``, the server's own weight
+    tensors by the names syncs send (detached, contiguous), which delta syncs may patch in
+    place. Where a received tensor has the shape and dtype of the server's, the worker then
+    keeps no copy of its own (:class:`~weightsync_core.delta.DeltaReceiver`), and
+    ``update_weights`` receives the server's tensor itself, already patched: skip the copy
+    where the received tensor shares the target's storage. Only for servers that load
+    tensors as they are (no fusing or re-layout on load)."""
 
     async def update_weights(
         self,

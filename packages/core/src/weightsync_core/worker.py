@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -334,7 +334,8 @@ class CheckpointEngineWorker:
         (:class:`~weightsync_core.delta.DeltaReceiver`)."""
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
-        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan)
+        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
+                                             in_place=self._patchable_weights(plan))
         stats = await self._load(weights, global_steps, allow_manifest_change)
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
@@ -367,12 +368,22 @@ class CheckpointEngineWorker:
         self.weights_version = global_steps
         return stats.as_dict()
 
+    def _patchable_weights(self, plan: DeltaPlan | None) -> Mapping[str, torch.Tensor] | None:
+        """The server's own tensors a delta-enabled sync may patch in place (its adapter's
+        optional ``patchable_weights()``), for a full sync of such a ``plan``; else None."""
+        offer = getattr(self.server_adapter, "patchable_weights", None)
+        if plan is None or plan.is_delta or offer is None:
+            return None
+        return offer()
+
     def weights_status(self) -> dict[str, Any]:
-        """``{"version": ..., "complete": ..., "delta_version": ...}`` of the weights this
-        worker serves (``delta_version``: the token of the version it holds a copy of for
-        delta syncs, or None)."""
+        """``{"version": ..., "complete": ..., "delta_version": ..., "delta_kept_bytes":
+        ...}`` of the weights this worker serves (``delta_version``: the token of the
+        version it holds a copy of for delta syncs, or None; ``delta_kept_bytes``: the size
+        of the copies it keeps itself, the server's tensors patched in place not counted)."""
         return {"version": self.weights_version, "complete": self.update_complete,
-                "delta_version": self.delta_receiver.version}
+                "delta_version": self.delta_receiver.version,
+                "delta_kept_bytes": self.delta_receiver.kept_bytes}
 
     async def _adapter_call(self, method: str) -> None:
         function = getattr(self.server_adapter, method, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,19 @@ class DeltaStats:
             "delta_wire_bytes": float(self.wire_bytes),
             "delta_seconds": self.seconds,
         }
+
+
+def _patchable(in_place: Mapping[str, torch.Tensor] | None, name: str,
+               received: torch.Tensor) -> torch.Tensor | None:
+    """The server's own tensor of ``name`` where a delta sync can patch it in place (same
+    shape, dtype and device as ``received``, contiguous), else None."""
+    target = None if in_place is None else in_place.get(name)
+    if target is None or not target.is_contiguous():
+        return None
+    if (target.shape, target.dtype, target.device) != (
+            received.shape, received.dtype, received.device):
+        return None
+    return target
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,26 +209,45 @@ class DeltaSender(_Versioned):
 
 
 class DeltaReceiver(_Versioned):
-    """A rollout worker's side: keeps the last received version (host memory) and rebuilds
-    each tensor of a delta sync from its patch, checking the whole result against the
-    sender's digest before the server sees it."""
+    """A rollout worker's side: keeps the last received version and rebuilds each tensor of
+    a delta sync from its patch, checking the whole result against the sender's digest
+    before the server sees it. The last version is a host copy of each tensor, or, where
+    the server offers its own tensor of that shape and dtype (``in_place``), that tensor,
+    patched where it lives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._in_place: set[str] = set()
+        """Names whose copy is the server's own tensor."""
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the copies this receiver keeps itself (the server's own tensors that it
+        patches in place not counted)."""
+        return sum(copy.numel() * copy.element_size() for name, copy in self.baselines.items()
+                   if name not in self._in_place)
 
     def stream(self, received: AsyncIterator[tuple[str, torch.Tensor]],
-               plan: DeltaPlan | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+               plan: DeltaPlan | None, in_place: Mapping[str, torch.Tensor] | None = None,
+               ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """What a receiving process hands its server: ``received`` decoded for ``plan``
         (:meth:`decode`), or, where the sync is not delta-enabled, ``received`` as it is,
         this side's copy dropped (the weights change under it)."""
         if plan is None:
             self.forget()
             return received
-        return self.decode(received, plan)
+        return self.decode(received, plan, in_place=in_place)
 
     async def decode(
         self, stream: AsyncIterator[tuple[str, torch.Tensor]], plan: DeltaPlan,
-        who: str = "this rollout worker",
+        who: str = "this rollout worker", in_place: Mapping[str, torch.Tensor] | None = None,
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Whole tensors from what arrived. In a delta sync they are this receiver's own
-        copies, valid until the next sync changes them.
+        copies, valid until the next sync changes them, or, for a name in ``in_place`` (the
+        server's own tensors: see :meth:`stream`), the server's tensor itself, patched.
+        A full sync keeps the server's tensor of a name as the copy of the version where
+        it has the received tensor's shape, dtype and device and is contiguous (the server
+        loads the tensor into it; it must not change it between syncs), else a host copy.
 
         Raises:
             DeltaBaselineError: a delta sync against a version this receiver does not hold
@@ -231,7 +263,13 @@ class DeltaReceiver(_Versioned):
             if plan.is_delta:
                 tensor = self._apply(name, tensor, who, stats)
             else:
-                self.baselines[name] = tensor = _host_copy(tensor)
+                target = _patchable(in_place, name, tensor)
+                if target is None:
+                    self.baselines[name] = tensor = _host_copy(tensor)
+                    self._in_place.discard(name)
+                else:  # the server loads ``tensor`` into it
+                    self.baselines[name] = target
+                    self._in_place.add(name)
                 stats.changed += tensor.numel()
             stats.elements += tensor.numel()
             stats.model_bytes += tensor.numel() * tensor.element_size()

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
+from weightsync_core.config import parse_dtype
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -38,7 +39,8 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         engine_config = self.config.checkpoint_engine
         colocated = None
         if CheckpointEngineRegistry.get(engine_config.backend).is_colocated:
-            colocated = HFGenerationServer(self.config.model, self.config.temperature)
+            colocated = HFGenerationServer(self.config.model, self.config.temperature,
+                                           parse_dtype(engine_config.rollout_dtype))
         self.init_checkpoint_engine(engine_config, server_adapter=colocated)
 
     def iter_weights(self) -> WeightsSource:

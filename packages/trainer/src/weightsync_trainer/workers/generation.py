@@ -23,10 +23,19 @@ class HFGenerationServer:
     pauses the server: requests arriving during a weight sync wait until
     ``resume_generation``. ``generate`` allocates its KV cache per call, so there is no cache
     to release between requests.
+
+    Args:
+        model: the model to build.
+        temperature: the sampling temperature.
+        dtype: the dtype the model serves in (the syncs' ``rollout_dtype``; None: fp32).
     """
 
-    def __init__(self, model: ModelConfig, temperature: float) -> None:
+    def __init__(self, model: ModelConfig, temperature: float,
+                 dtype: torch.dtype | None = None) -> None:
         policy = build_policy_model(model).eval()
+        if dtype is not None:
+            # in place; transformers types to() so that pyright finds no self to bind
+            policy.to(dtype=dtype)  # pyright: ignore[reportCallIssue]
         if not isinstance(policy, GenerationMixin):
             raise TypeError(
                 f"model_type {model.model_type!r} builds a {type(policy).__name__}, which "
@@ -62,7 +71,8 @@ class HFGenerationServer:
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
-        """Copy every received tensor into the parameter of that name; all must arrive."""
+        """Copy every received tensor into the parameter of that name (unless it is that
+        parameter, patched in place by a delta sync); all must arrive."""
         params = dict(self.model.named_parameters())
         missing = set(params)
         with torch.no_grad():
@@ -75,7 +85,8 @@ class HFGenerationServer:
                         f"weight {name!r}: received shape {tuple(tensor.shape)}, the rollout "
                         f"model has {tuple(target.shape)}"
                     )
-                target.copy_(tensor)
+                if tensor.data_ptr() != target.data_ptr():
+                    target.copy_(tensor)
                 missing.discard(name)
         if missing:
             raise ValueError(
@@ -83,6 +94,11 @@ class HFGenerationServer:
                 f"{sorted(missing)[:3]}"
             )
         self.weights_version = global_steps
+
+    def patchable_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters by name, which delta syncs patch in place (where they arrive in
+        the parameters' dtype) instead of keeping a copy of their own."""
+        return {name: param.detach() for name, param in self.model.named_parameters()}
 
     async def abort_all_requests(self) -> None:
         """Pause: new requests wait until :meth:`resume_generation`."""

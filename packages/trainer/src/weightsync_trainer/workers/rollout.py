@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
+from weightsync_core.config import parse_dtype
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.workers.generation import HFGenerationServer
 
@@ -15,7 +16,8 @@ __all__ = ["RolloutWorker"]
 
 
 class RolloutWorker(CheckpointEngineWorker):
-    """One rollout process: a full model copy behind :class:`HFGenerationServer`.
+    """One rollout process: a full model copy behind :class:`HFGenerationServer`, in the
+    syncs' ``rollout_dtype``.
 
     The base class builds the checkpoint engine after importing ``custom_backend_module``.
     """
@@ -28,7 +30,9 @@ class RolloutWorker(CheckpointEngineWorker):
         torch_threads: int = 1,
     ) -> None:
         torch.set_num_threads(torch_threads)
-        super().__init__(checkpoint_engine, HFGenerationServer(model, temperature))
+        server = HFGenerationServer(model, temperature,
+                                    parse_dtype(checkpoint_engine.rollout_dtype))
+        super().__init__(checkpoint_engine, server)
 
     async def generate(
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
