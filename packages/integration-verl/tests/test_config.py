@@ -34,6 +34,23 @@ def test_verl_config_becomes_weightsyncs():
     assert converted.custom_backend_module is None  # it registers into verl, not weightsync
 
 
+def test_delta_in_the_engine_kwargs_is_refused_under_weightsyncs_manager_naming_way_1():
+    config = CheckpointEngineConfig(
+        backend="weightsync_gloo",
+        engine_kwargs={"weightsync_gloo": {"delta": True, "full_verify_every": 3}},
+        custom_backend_module="weightsync_verl",
+    )
+    with pytest.raises(ValueError, match=r"delta, full_verify_every: .* verl's own checkpoint "
+                       r"manager \(way 1\)"):
+        weightsync_config(config)
+
+
+def test_full_verify_every_of_the_adapter_engines_is_checked_when_built():
+    engine_cls = VerlRegistry.get("weightsync_gloo")
+    with pytest.raises(ValueError, match="full_verify_every must be an integer >= 0"):
+        engine_cls(1 << 20, delta=True, full_verify_every=-1)
+
+
 def _empty_actor_wg() -> SimpleNamespace:
     """The shape of verl's actor worker group, without workers."""
     return SimpleNamespace(workers=[], execute_checkpoint_engine=lambda *args, **kwargs: [])

@@ -20,9 +20,9 @@ BACKENDS = ["gloo", "nixl", "mooncake", "kimi"]
 WEIGHTSYNC_MANAGER = "weightsync_verl.CheckpointEngineManager"
 
 
-def _config(backend: str, delta: bool = False) -> CheckpointEngineConfig:
+def _config(backend: str, delta: bool = False, **options: object) -> CheckpointEngineConfig:
     name = f"weightsync_{backend}"
-    options = {"timeout": 60, **({"delta": True} if delta else {})}
+    options = {"timeout": 60, **({"delta": True} if delta else {}), **options}
     return CheckpointEngineConfig(
         backend=name, update_weights_bucket_megabytes=1,
         engine_kwargs={name: options}, custom_backend_module="weightsync_verl",
@@ -100,23 +100,25 @@ def test_weightsyncs_manager_removes_and_adds_a_replica(cluster) -> None:
 def test_verls_manager_moves_delta_syncs_bit_exact(cluster) -> None:
     """Delta sync inside verl's own manager (``engine_kwargs: {weightsync_X: {delta:
     true}}``): the processes agree the plan through prepare() and build_topology; the first
-    sync is full, the next two send patches of the 2% that changed; every weight checked."""
+    sync is full, the next two send patches of the 2% that changed, the fourth is full
+    (``full_verify_every: 3``); every weight checked."""
     backend = weightsync_backend_name(cluster.config.backend)
     if backend == "kimi":  # its actor ranks split the tensors by size: refused up front
         with pytest.raises(Exception, match="'kimi' does not move delta syncs"):
             cluster.use_backend(_config(backend, delta=True))
         cluster.use_backend(_config(backend))
         return
-    cluster.use_backend(_config(backend, delta=True))
+    cluster.use_backend(_config(backend, delta=True, full_verify_every=3))
     manager = make_manager(cluster)
 
     async def train() -> None:
-        for step in (31, 32, 33):
+        # the first sync is full, then patches; every 3rd sync is full again
+        for step, delta in ((31, False), (32, True), (33, True), (34, False)):
             expected = cluster.perturb(step, fraction=0.02)
             metrics = await manager.update_weights(global_steps=step)
             _check(cluster, expected, step)
-            assert metrics["weightsync/delta"] == (0.0 if step == 31 else 1.0), metrics
-            if step > 31:
+            assert metrics["weightsync/delta"] == float(delta), (step, metrics)
+            if delta:
                 assert metrics["weightsync/bytes"] < cluster.nbytes() / 5, metrics
 
     try:

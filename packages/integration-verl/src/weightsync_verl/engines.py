@@ -79,6 +79,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         delta: delta sync (weightsync-core's ``CheckpointEngineConfig.delta``): after a
             full sync, only patches against the version every receiver holds travel,
             checked whole after apply. For backends whose engine ``supports_delta``.
+        full_verify_every: with ``delta``, every Nth sync sends whole tensors (0: only
+            where needed), as weightsync-core's ``CheckpointEngineConfig`` option.
         **engine_kwargs: the weightsync backend's options (``engine_kwargs`` of the verl
             config), e.g. ``timeout``, ``verify``, ``rollout_dtype``, ``rebuild_group``.
 
@@ -90,7 +92,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
     """The weightsync backend this class adapts."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, delta: bool = False,
-                 **engine_kwargs: Any) -> None:
+                 full_verify_every: int = 0, **engine_kwargs: Any) -> None:
         self.bucket_size = bucket_size
         self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
             self.backend, bucket_size=bucket_size, is_master=is_master, **engine_kwargs
@@ -101,7 +103,14 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 "(its engine does not set supports_delta); drop delta from its engine_kwargs "
                 "or use weightsync_gloo, weightsync_nixl or weightsync_mooncake"
             )
+        if isinstance(full_verify_every, bool) or not isinstance(full_verify_every, int) or (
+                full_verify_every < 0):
+            raise ValueError(f"full_verify_every must be an integer >= 0 (0: only where "
+                             f"needed), got {full_verify_every!r}")
         self.delta = delta
+        self.full_verify_every = full_verify_every
+        self._deltas_since_full = 0
+        """Delta syncs this process sent since its last full one (the sending rank)."""
         self.delta_sender = DeltaSender()
         self.delta_receiver = DeltaReceiver()
         self._plan: DeltaPlan | None = None
@@ -114,7 +123,10 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         metadata = self.engine.prepare()
         if self.delta:
             held = self.delta_sender.version or self.delta_receiver.version
-            metadata = {**metadata, _HELD: held}
+            due = (self.full_verify_every > 0
+                   and self._deltas_since_full + 1 >= self.full_verify_every)
+            # a sender due for a full sync reports no version: the plan is then a full one
+            metadata = {**metadata, _HELD: None if due and self.delta_sender.version else held}
         return metadata
 
     @classmethod
@@ -163,6 +175,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         encoding = plan is not None and self.engine.sends_weights()
         weights = self.delta_sender.stream(weights, plan, self.engine.rollout_dtype, encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
+        if plan is not None and encoding:
+            self._deltas_since_full = self._deltas_since_full + 1 if plan.is_delta else 0
         if not self._stats.num_tensors:
             return {}
         metrics = {

@@ -83,8 +83,9 @@ class VerlWorkerGroup(RayWorkerGroup):
         if any(value is not None for value in delta.values()):
             raise ValueError(
                 "verl's workers call their engines themselves: the manager's delta plan "
-                "(CheckpointEngineConfig.delta) cannot reach them. Turn delta sync on in the "
-                "engine instead: engine_kwargs {weightsync_<backend>: {delta: true}}"
+                "(CheckpointEngineConfig.delta) cannot reach them. Delta sync into verl's "
+                "workers runs under verl's own manager: engine_kwargs "
+                "{weightsync_<backend>: {delta: true}}"
             )
         return [self._transfer(worker, global_steps) for worker in self.workers]
 

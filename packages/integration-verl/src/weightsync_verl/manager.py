@@ -29,10 +29,19 @@ def weightsync_config(config: Any) -> CheckpointEngineConfig:
     (which registers into verl's registry, not weightsync's).
 
     Raises:
-        ValueError: ``backend`` is not a weightsync backend.
+        ValueError: ``backend`` is not a weightsync backend, or its ``engine_kwargs`` turn
+            delta sync on (it runs under verl's own manager only).
     """
     backend = weightsync_backend_name(config.backend)
     options = dict((config.engine_kwargs or {}).get(config.backend) or {})
+    delta = sorted({"delta", "full_verify_every"} & set(options))
+    if delta:
+        raise ValueError(
+            f"engine_kwargs {config.backend}: {', '.join(delta)}: delta sync through verl's "
+            "workers runs under verl's own checkpoint manager (way 1), which agrees each "
+            "sync's plan in build_topology; weightsync's manager (way 2) cannot hand its plan "
+            "to verl's workers. Drop them here, or keep verl's manager for delta sync"
+        )
     module = config.custom_backend_module
     return CheckpointEngineConfig(
         backend=backend,
