@@ -44,9 +44,11 @@ class TestVerlMooncakeOnWeightsync(_VerlEngineConformance):
     }
     # the engine casts every tensor to its rollout dtype and asserts that each fits a bucket
     weights_profile = "rollout_floats"
-    # verl's engine forms a new group every sync (about 1 s each here): 200 syncs pass and
-    # take 3.5 min, 50 keep the default test run short
-    soak_syncs = 50
+    # verl's engine forms a new group every sync (about 1.2 s each here): 200 syncs pass and
+    # take 3.5 min; 20 (after the 10 of warm-up) still show a leak of one descriptor,
+    # thread or connection per sync past the bounds, and keep the default run short (the
+    # 200-sync soaks of weightsync's own engines run in their packages)
+    soak_syncs = 20
     skipped_cases: ClassVar[dict[str, str]] = {
         "test_every_dtype_and_shape_bit_exact": "verl 0.9.1's Mooncake engine casts every "
             "tensor to rollout_dtype: integer and bool tensors arrive as bfloat16",
