@@ -1,19 +1,23 @@
 """The core conformance suite for ``kimi``: 2 actor ranks (both serving their share), replicas
 of 1 and 2 workers, Mooncake over TCP and gloo inside a replica, real Ray actors."""
 
+import pytest
 import ray
 
-from weightsync_core.testing import CheckpointEngineConformanceTests
+from weightsync_core import SyncStageError
+from weightsync_core.testing import CheckpointEngineConformanceTests, DeltaSyncConformanceTests
 from weightsync_core.testing.harness import SyncHarness
 
 
-class TestKimiConformance(CheckpointEngineConformanceTests):
+class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
     backend = "kimi"
     engine_kwargs = {"protocol": "tcp", "collective": "gloo"}  # noqa: RUF012
     actor_world_size = 2
     replica_sizes = (1, 2)
     case_processes = {  # noqa: RUF012  (booted ahead of the case, see the suite)
         "test_replica_added_after_an_update_loads_the_cache_without_sending": (("replica", 2),),
+        "test_delta_shares_are_diffed_per_rank_and_no_cache_for_a_late_replica": (
+            ("replica", 1),),
     }
 
     def test_every_actor_rank_serves_a_share(self, harness: SyncHarness) -> None:
@@ -47,6 +51,32 @@ class TestKimiConformance(CheckpointEngineConformanceTests):
             assert [ray.get(a.report.remote())["weight_streams"] for a in harness.actors] \
                 == streams
             assert all(r["global_steps"] == [31] for r in harness.reports([late]))
+        finally:
+            manager.remove_replicas([late])
+            for worker in late.workers:
+                ray.kill(worker)
+
+    def test_delta_shares_are_diffed_per_rank_and_no_cache_for_a_late_replica(
+        self, harness: SyncHarness
+    ) -> None:
+        manager = harness.manager(delta=True)
+        updates = [(70, 0.02)]
+        harness.set_weights(seed=70, updates=updates)
+        manager.update_weights_sync(global_steps=70)
+        updates.append((71, 0.02))
+        expected = harness.set_weights(seed=70, updates=updates)
+        metrics = manager.update_weights_sync(global_steps=71)
+        self.assert_delivered(harness, expected)
+        assert metrics["weightsync/delta"] == 1.0
+        assert metrics["weightsync/bytes"] < metrics["weightsync/model_bytes"] / 5, metrics
+        # each actor rank keeps a copy of its own share only: disjoint, covering the model
+        copies = [ray.get(a.report.remote())["delta_copies"] for a in harness.actors]
+        assert all(copies) and sorted(copies[0] + copies[1]) == sorted(expected)
+        late = harness.new_replica(1, name="late")
+        try:
+            manager.add_replicas([late])
+            with pytest.raises(SyncStageError, match="the last update sent patches"):
+                manager.update_replicas_from_cache_sync([late], global_steps=71)
         finally:
             manager.remove_replicas([late])
             for worker in late.workers:

@@ -103,11 +103,6 @@ def test_verls_manager_moves_delta_syncs_bit_exact(cluster) -> None:
     sync is full, the next two send patches of the 2% that changed, the fourth is full
     (``full_verify_every: 3``); every weight checked."""
     backend = weightsync_backend_name(cluster.config.backend)
-    if backend == "kimi":  # its actor ranks split the tensors by size: refused up front
-        with pytest.raises(Exception, match="'kimi' does not move delta syncs"):
-            cluster.use_backend(_config(backend, delta=True))
-        cluster.use_backend(_config(backend))
-        return
     cluster.use_backend(_config(backend, delta=True, full_verify_every=3))
     manager = make_manager(cluster)
 
@@ -118,8 +113,9 @@ def test_verls_manager_moves_delta_syncs_bit_exact(cluster) -> None:
             metrics = await manager.update_weights(global_steps=step)
             _check(cluster, expected, step)
             assert metrics["weightsync/delta"] == float(delta), (step, metrics)
-            if delta:
-                assert metrics["weightsync/bytes"] < cluster.nbytes() / 5, metrics
+            if delta:  # kimi: what the last actor rank's share sent
+                sent = metrics.get("weightsync/bytes", metrics.get("weightsync/share_bytes"))
+                assert sent < cluster.nbytes() / 5, metrics
 
     try:
         asyncio.run(train())

@@ -10,6 +10,9 @@ as ``kimi_ckpt_engine``).
    ``k+1`` overlaps the broadcast of bucket ``k`` to the replica and its own server's read.
 3. :meth:`KimiCheckpointEngine.get_weights` runs step 2 from the shares the owners still
    hold, so a replica added later gets the latest weights while the actor ranks send nothing.
+
+In a delta sync each actor rank diffs only its own share, and keeps a copy of that share
+only (``encodes_own_share``); shares of patches are no cache for a replica added later.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     """
 
     options_class = KimiOptions
+    supports_delta = True
+    encodes_own_share = True
     host_buckets = 5
     """A replica leader's two pull slots and up to three copies (owners hold their share)."""
     # options_class makes it a KimiOptions; core declares the base attribute mutable, so
@@ -170,8 +175,10 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             self._cache_buffers, self.rollout_dtype,
             self.bucket_checksum if self.verify else None, grow=self._new_cache_buffer,
         )
+        encoder = self.share_encoder
+        share = own_share() if encoder is None else encoder(own_share())
         buckets = []
-        async for bucket in packer.pack(own_share()):
+        async for bucket in packer.pack(share):
             if bucket.meta.tensors:
                 buffer = self._cache_descriptors[len(buckets)]
                 buckets.append((bucket.meta, buffer.at(0, bucket.meta.nbytes)))
@@ -182,7 +189,7 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
             )
         share = ShareManifest(
             rank, self.transport.metadata(), plan.sync_id, buckets, packer.manifest,
-            global_steps,
+            global_steps, patches=encoder is not None and encoder.sends_patches,
         )
         message = ShareMessage(plan.sync_id, share)
         for leader in plan.leaders:
@@ -228,6 +235,10 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
                      "before update_replicas_from_cache")
         elif len({share.update_id for share in shares}) != 1:
             error = "the actor ranks hold shares of different updates (one failed part-way)"
+        elif any(share.patches for share in shares):
+            error = ("the last update sent patches (delta sync), which only replicas holding "
+                     "the version before can apply; a replica added since gets whole tensors "
+                     "from the next update_weights")
         if error is not None:
             await self._abort_members(error)
             raise WeightSyncError(f"kimi: {error}")

@@ -52,6 +52,8 @@ class ShareManifest:
         buckets: ``(meta, registered buffer)`` of each bucket, in order.
         tensors: ``(name, shape, dtype)`` of every tensor in the share.
         global_steps: the version of the weights.
+        patches: whether the buckets hold delta sync's patches (usable only by receivers
+            holding the version before; no cache for a replica added later).
     """
 
     owner: int
@@ -60,6 +62,7 @@ class ShareManifest:
     buckets: list[tuple[BucketMeta, RemoteBuffer]] = field(default_factory=list)
     tensors: list[ManifestEntry] = field(default_factory=list)
     global_steps: int | None = None
+    patches: bool = False
 
 
 class ShareMessage(msgspec.Struct, tag="share", frozen=True):

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync_core.bucketing import WeightsSource
+from weightsync_core.delta.codec import ShareEncoder
 from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import EngineOptionsError, WeightSyncError
 from weightsync_core.options import (
@@ -121,8 +122,19 @@ class CheckpointEngine(ABC):
 
     supports_delta: ClassVar[bool] = False
     """True for engines that move delta syncs (``CheckpointEngineConfig.delta``): one actor
-    rank reads the weight stream and sends it (:meth:`sends_weights`), and every tensor
-    reaches every rollout worker as sent (``uint8`` patches included)."""
+    rank reads the weight stream and sends it (:meth:`sends_weights`), or each sends its
+    own share (:attr:`encodes_own_share`), and every tensor reaches every rollout worker as
+    sent (``uint8`` patches included)."""
+
+    encodes_own_share: ClassVar[bool] = False
+    """True for engines whose actor ranks each send their own share of the tensors (kimi).
+    In a delta sync every such rank gets the whole stream, chooses its share, and passes
+    that through :attr:`share_encoder` (so each rank diffs, and keeps a copy of, its share
+    only)."""
+
+    share_encoder: ShareEncoder | None = None
+    """Set by the worker before :meth:`send_weights` where :attr:`encodes_own_share`: turns
+    this rank's share into what it sends (patches in a delta sync); None: as it is."""
 
     options_class: ClassVar[type[EngineOptions]] = EngineOptions
     """The engine's typed options; a subclass with options of its own sets a subclass of

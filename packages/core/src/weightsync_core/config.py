@@ -11,6 +11,8 @@ from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import BackendNotFoundError, PluginError
 
 if TYPE_CHECKING:
+    import torch
+
     from weightsync_core.base import CheckpointEngine
 
 __all__ = [
@@ -190,6 +192,11 @@ class CheckpointEngineConfig:
         ``custom_backend_module`` applies them as well as its own environment's. Read-only,
         and no field: no config file or constructor argument can set it."""
         return vars(self).get("_trusted_modules")
+
+    @property
+    def rollout_torch_dtype(self) -> torch.dtype | None:
+        """``rollout_dtype`` as a ``torch.dtype`` (None: tensors keep their dtype)."""
+        return parse_dtype(self.rollout_dtype)
 
     @property
     def bucket_size_bytes(self) -> int:

@@ -195,7 +195,7 @@ class CheckpointEngineManager:
             raise ValueError(
                 f"delta=True: backend {config.backend!r} does not move delta syncs{why}; its "
                 "engine does not set supports_delta. Set delta=False, or use a backend that "
-                "does (gloo, nccl, hccl, nixl, mooncake)"
+                "does (gloo, nccl, hccl, nixl, mooncake, kimi)"
             )
         self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
         """Which version each replica holds, where ``config.delta`` is set."""
@@ -428,7 +428,7 @@ class CheckpointEngineManager:
                          min_seconds=_CLEANUP_SECONDS)
         metrics = self._sync_metrics(stages, rounds, len(replicas))
         if self.delta_ledger is not None and not from_cache:
-            metrics.update(_delta_metrics(rounds))
+            metrics.update(_delta_metrics(rounds, self.backend_cls.encodes_own_share))
         return metrics
 
     def _rounds(self, replicas: list[RolloutReplica], from_cache: bool,
@@ -704,30 +704,38 @@ class CheckpointEngineManager:
         await self._finish_cleanup([_resume(replica) for replica in untouched])
 
 
-def _delta_metrics(rounds: list[_Round]) -> dict[str, float]:
+def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
     """What the sending rank of a delta-enabled sync reported (the weights' size, the
-    fraction of elements that changed, the seconds spent diffing), the fraction of its
-    replicas that got patches (``delta``: 1 or 0 where it was one round) and the longest
-    any rollout worker spent applying them."""
-    def reported(round_: _Round) -> dict[str, Any]:
-        return next((result for result in round_.sent if "delta_elements" in result), {})
+    fraction of elements that changed, the seconds spent diffing), summed over the actor
+    ranks where each sends its own share (``shares``), the fraction of its replicas that got
+    patches (``delta``: 1 or 0 where it was one round) and the longest any rollout worker
+    spent applying them. With ``shares``, ``bytes`` is what the ranks' shares sent."""
+    def reported(round_: _Round) -> dict[str, float]:
+        senders = [result for result in round_.sent if "delta_elements" in result]
+        if not shares:
+            senders = senders[:1]
+        keys = ("delta_elements", "delta_changed", "delta_model_bytes", "delta_wire_bytes",
+                "delta_seconds")
+        return {key: sum(float(result.get(key, 0.0)) for result in senders) for key in keys}
 
     patched = [round_ for round_ in rounds if round_.moves_patches]
     first = reported((patched or rounds)[0])
-    elements = first.get("delta_elements", 0.0)
+    elements = first["delta_elements"]
     replicas = sum(len(round_.replicas) for round_ in rounds)
-    return {
+    metrics = {
         "weightsync/seconds/apply": max((result.get("delta_seconds", 0.0)
                                          for round_ in rounds for result in round_.loaded),
                                         default=0.0),
         "weightsync/delta": (sum(len(round_.replicas) for round_ in patched) / replicas
                              if replicas else 0.0),
-        "weightsync/model_bytes": first.get("delta_model_bytes", 0.0),
-        "weightsync/changed_fraction": (
-            first.get("delta_changed", 0.0) / elements if elements else 0.0),
-        "weightsync/seconds/diff": sum(reported(round_).get("delta_seconds", 0.0)
-                                       for round_ in rounds),
+        "weightsync/model_bytes": first["delta_model_bytes"],
+        "weightsync/changed_fraction": first["delta_changed"] / elements if elements else 0.0,
+        "weightsync/seconds/diff": sum(reported(round_)["delta_seconds"] for round_ in rounds),
     }
+    if shares:
+        metrics["weightsync/bytes"] = sum(reported(round_)["delta_wire_bytes"]
+                                          for round_ in rounds)
+    return metrics
 
 
 def _abort_calls(

@@ -470,9 +470,9 @@ class ActorCheckpointEngineMixin:
         taken = TransferStats()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
-        weights = self.delta_sender.stream(
-            _ProducedWeights(self.iter_weights(), engine.progress, taken,
-                             contiguous=_written_for_verl(engine)),
+        weights = self.delta_sender.encoded(
+            engine, _ProducedWeights(self.iter_weights(), engine.progress, taken,
+                                     contiguous=_written_for_verl(engine)),
             plan, parse_dtype(self.checkpoint_engine_config.rollout_dtype), encoding)
         stats = await engine.send_weights(weights, global_steps)
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None

@@ -101,7 +101,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
             raise ValueError(
                 f"delta=True: weightsync backend {self.backend!r} does not move delta syncs "
                 "(its engine does not set supports_delta); drop delta from its engine_kwargs "
-                "or use weightsync_gloo, weightsync_nixl or weightsync_mooncake"
+                "or use weightsync_gloo, weightsync_nixl, weightsync_mooncake or weightsync_kimi"
             )
         if isinstance(full_verify_every, bool) or not isinstance(full_verify_every, int) or (
                 full_verify_every < 0):
@@ -135,13 +135,16 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The weightsync backend's topology (each rollout worker its own replica), plus a
         fresh session key for every process and, with delta sync, the sync's plan: patches
-        against the version that the sending rank (actor rank 0) and every rollout worker
-        reported, where they all hold the same one."""
+        against the version that the sending ranks (actor rank 0, or every actor rank where
+        each sends its share) and every rollout worker reported, where they all hold the
+        same one."""
         engine_cls = CheckpointEngineRegistry.get(cls.backend)
         held: list[str | None] | None = None
         if metadata and isinstance(metadata[0], dict) and _HELD in metadata[0]:
-            held = [metadata[0].get(_HELD), *(m.get(_HELD) for m in
-                                              metadata[actor_wg_world_size:])]
+            # the ranks that send: rank 0, or every actor rank where each sends its share
+            senders = actor_wg_world_size if engine_cls.encodes_own_share else 1
+            held = [m.get(_HELD) for m in (*metadata[:senders],
+                                           *metadata[actor_wg_world_size:])]
             metadata = [{k: v for k, v in m.items() if k != _HELD} for m in metadata]
         actor, rollout = engine_cls.build_replica_topology(
             actor_wg_world_size, [1] * rollout_world_size, metadata
@@ -170,10 +173,14 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         """Send; returns metrics for verl's trainer to log (``weightsync/...``), from a rank
         that sent tensors. A rank that only iterated (the trainer's gathers) returns none:
         verl's manager merges the ranks' metrics in rank order, and its zeros would replace
-        the sender's counts."""
+        the sender's counts. In a delta-enabled sync of an engine whose ranks each send
+        their share (kimi), ``weightsync/share_bytes`` (what this rank's share sent),
+        ``model_bytes`` and ``changed_fraction`` are this rank's, and there is no
+        ``weightsync/bytes``."""
         plan = self._plan
         encoding = plan is not None and self.engine.sends_weights()
-        weights = self.delta_sender.stream(weights, plan, self.engine.rollout_dtype, encoding)
+        weights = self.delta_sender.encoded(self.engine, weights, plan,
+                                            self.engine.rollout_dtype, encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
         if plan is not None and encoding:
             self._deltas_since_full = self._deltas_since_full + 1 if plan.is_delta else 0
@@ -192,6 +199,11 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 "weightsync/model_bytes": float(stats.model_bytes),
                 "weightsync/changed_fraction": stats.changed / max(stats.elements, 1),
             })
+            if self.engine.encodes_own_share:
+                # each rank knows only what its own share sent, and verl keeps the metrics
+                # of the last rank: say so instead of the whole model's size
+                del metrics["weightsync/bytes"]
+                metrics["weightsync/share_bytes"] = float(stats.wire_bytes)
         return metrics
 
     # verl annotates receive_weights as a coroutine returning a Generator; its engines (and

@@ -93,8 +93,8 @@ def _delta(args: argparse.Namespace) -> int:
     with Testbed(hosts=["a0", "r0"], link=link, prefix="wstd"):
         result = run_delta_benchmark(
             args.backend, DEFAULT_ENGINE_KWARGS.get(args.backend, {}), args.size_mb,
-            repeats=args.repeats, learning_rate=args.learning_rate,
-            placement=HostPlacement(["a0"], ["r0"]),
+            repeats=args.repeats, bucket_megabytes=args.bucket_mb,
+            learning_rate=args.learning_rate, placement=HostPlacement(["a0"], ["r0"]),
         )
     print(result.table())
     rate = link.bits_per_second
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     delta.add_argument("--size-mb", type=int, default=1024, help="bf16 weights (MiB)")
     delta.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
     delta.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind")
+    delta.add_argument("--bucket-mb", type=int, default=64,
+                       help="bucket size (MiB); smaller buckets let a delta sync's patches "
+                            "leave while the rest is still being diffed")
     delta.add_argument("--learning-rate", type=float, default=1.6e-5,
                        help="each step's move per fp32 master element (1.6e-5: about 2%% "
                        "of the bf16 elements change)")

@@ -8,6 +8,7 @@ from weightsync_core.delta.codec import (
     DeltaReceiver,
     DeltaSender,
     DeltaStats,
+    ShareEncoder,
 )
 from weightsync_core.delta.patch import (
     PATCH_HEADER_BYTES,
@@ -29,6 +30,7 @@ __all__ = [
     "PatchDigestError",
     "PatchKind",
     "PatchStats",
+    "ShareEncoder",
     "apply_patch",
     "encode_patch",
     "tensor_digest",

@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -22,7 +23,35 @@ from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_name
 from weightsync_core.delta.patch import PatchDigestError, apply_patch, encode_patch
 from weightsync_core.errors import ManifestChangedError, VerificationError, WeightSyncError
 
-__all__ = ["DeltaBaselineError", "DeltaPlan", "DeltaReceiver", "DeltaSender", "DeltaStats"]
+__all__ = ["DeltaBaselineError", "DeltaPlan", "DeltaReceiver", "DeltaSender", "DeltaStats",
+           "ShareEncoder"]
+
+
+class ShareEncoding(Protocol):
+    """What :meth:`DeltaSender.encoded` needs of an engine (a
+    :class:`~weightsync_core.base.CheckpointEngine`)."""
+
+    encodes_own_share: ClassVar[bool]
+    share_encoder: ShareEncoder | None
+
+
+@dataclass(frozen=True)
+class ShareEncoder:
+    """How a rank of an engine whose ranks each send their own share (kimi) turns its
+    share into what it sends: :meth:`DeltaSender.stream` for one sync's ``plan``."""
+
+    sender: DeltaSender
+    plan: DeltaPlan | None
+    rollout_dtype: torch.dtype | None
+    sending: bool = True
+
+    @property
+    def sends_patches(self) -> bool:
+        """Whether the share goes as patches (which only holders of the base can use)."""
+        return self.sending and self.plan is not None and self.plan.is_delta
+
+    def __call__(self, share: WeightsSource) -> WeightsSource:
+        return self.sender.stream(share, self.plan, self.rollout_dtype, self.sending)
 
 
 class DeltaBaselineError(WeightSyncError):
@@ -157,6 +186,17 @@ class DeltaSender(_Versioned):
             self.forget()
             return weights
         return self.encode(weights, plan, rollout_dtype)
+
+    def encoded(self, engine: ShareEncoding, weights: WeightsSource, plan: DeltaPlan | None,
+                rollout_dtype: torch.dtype | None, sending: bool = True) -> WeightsSource:
+        """What a sending process hands ``engine.send_weights``: :meth:`stream` of
+        ``weights``, or, for an engine whose ranks each send their own share
+        (``encodes_own_share``), ``weights`` as they are, with ``engine.share_encoder`` set
+        to :meth:`stream` its share."""
+        if not engine.encodes_own_share:
+            return self.stream(weights, plan, rollout_dtype, sending)
+        engine.share_encoder = ShareEncoder(self, plan, rollout_dtype, sending)
+        return weights
 
     async def encode(
         self, weights: WeightsSource, plan: DeltaPlan,

@@ -257,6 +257,7 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
             "received": self.colocated_adapter.received,
             "global_steps": self.colocated_adapter.global_steps,
             "weight_streams": self.weight_streams,
+            "delta_copies": sorted(self.delta_sender.baselines),
             "engine_class": type(self.checkpoint_engine).__module__ + "."
             + type(self.checkpoint_engine).__qualname__,
             "pid": os.getpid(),

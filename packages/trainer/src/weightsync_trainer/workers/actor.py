@@ -10,7 +10,6 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
-from weightsync_core.config import parse_dtype
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -40,7 +39,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         colocated = None
         if CheckpointEngineRegistry.get(engine_config.backend).is_colocated:
             colocated = HFGenerationServer(self.config.model, self.config.temperature,
-                                           parse_dtype(engine_config.rollout_dtype))
+                                           engine_config.rollout_torch_dtype)
         self.init_checkpoint_engine(engine_config, server_adapter=colocated)
 
     def iter_weights(self) -> WeightsSource:

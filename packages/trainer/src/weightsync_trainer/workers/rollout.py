@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
-from weightsync_core.config import parse_dtype
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.workers.generation import HFGenerationServer
 
@@ -31,7 +30,7 @@ class RolloutWorker(CheckpointEngineWorker):
     ) -> None:
         torch.set_num_threads(torch_threads)
         server = HFGenerationServer(model, temperature,
-                                    parse_dtype(checkpoint_engine.rollout_dtype))
+                                    checkpoint_engine.rollout_torch_dtype)
         super().__init__(checkpoint_engine, server)
 
     async def generate(
