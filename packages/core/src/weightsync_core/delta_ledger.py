@@ -51,8 +51,10 @@ class DeltaLedger:
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
         if force_full or due or base is None:
             return [(list(replicas), full)]
-        holders = [r for r in replicas if self.holds(r) == base]
-        others = [r for r in replicas if self.holds(r) != base]
+        holders: list[_Replica] = []
+        others: list[_Replica] = []
+        for replica in replicas:
+            (holders if self.holds(replica) == base else others).append(replica)
         delta = DeltaPlan(full.version, base)
         return [(group, plan) for group, plan in ((holders, delta), (others, full)) if group]
 
@@ -62,8 +64,8 @@ class DeltaLedger:
         rounds = list(rounds)
         patched = any(plan.is_delta for _, plan in rounds)
         self._since_full = self._since_full + 1 if patched else 0
+        self._actor_version = rounds[0][1].version  # one version, however many rounds
         for replicas, plan in rounds:
-            self._actor_version = plan.version
             for replica in replicas:
                 self._replica_versions[id(replica)] = (replica, plan.version)
 

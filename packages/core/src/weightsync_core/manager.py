@@ -718,8 +718,9 @@ def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
                 "delta_seconds")
         return {key: sum(float(result.get(key, 0.0)) for result in senders) for key in keys}
 
+    reports = [reported(round_) for round_ in rounds]
     patched = [round_ for round_ in rounds if round_.moves_patches]
-    first = reported((patched or rounds)[0])
+    first = reports[rounds.index((patched or rounds)[0])]
     elements = first["delta_elements"]
     replicas = sum(len(round_.replicas) for round_ in rounds)
     metrics = {
@@ -730,11 +731,10 @@ def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
                              if replicas else 0.0),
         "weightsync/model_bytes": first["delta_model_bytes"],
         "weightsync/changed_fraction": first["delta_changed"] / elements if elements else 0.0,
-        "weightsync/seconds/diff": sum(reported(round_)["delta_seconds"] for round_ in rounds),
+        "weightsync/seconds/diff": sum(report["delta_seconds"] for report in reports),
     }
     if shares:
-        metrics["weightsync/bytes"] = sum(reported(round_)["delta_wire_bytes"]
-                                          for round_ in rounds)
+        metrics["weightsync/bytes"] = sum(report["delta_wire_bytes"] for report in reports)
     return metrics
 
 

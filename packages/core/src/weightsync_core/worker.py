@@ -21,7 +21,6 @@ from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender
-from weightsync_core.dtypes import parse_dtype
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
 from weightsync_core.plugins import load_custom_backend_module
@@ -66,7 +65,7 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
     check_on_this_machine(engine_cls, config)
     options = {"verify": config.verify, "timeout": config.sync_timeout_seconds}
     if config.rollout_dtype is not None:
-        options["rollout_dtype"] = parse_dtype(config.rollout_dtype)  # verl's take a dtype
+        options["rollout_dtype"] = config.rollout_torch_dtype  # verl's take a dtype
     engine = engine_cls(
         bucket_size=config.bucket_size_bytes,
         **_accepted(engine_cls, options),
@@ -473,7 +472,7 @@ class ActorCheckpointEngineMixin:
         weights = self.delta_sender.encoded(
             engine, _ProducedWeights(self.iter_weights(), engine.progress, taken,
                                      contiguous=_written_for_verl(engine)),
-            plan, parse_dtype(self.checkpoint_engine_config.rollout_dtype), encoding)
+            plan, self.checkpoint_engine_config.rollout_torch_dtype, encoding)
         stats = await engine.send_weights(weights, global_steps)
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             if not taken.num_tensors:  # it would only end the sync, blaming the receivers

@@ -109,8 +109,6 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                              f"needed), got {full_verify_every!r}")
         self.delta = delta
         self.full_verify_every = full_verify_every
-        self._deltas_since_full = 0
-        """Delta syncs this process sent since its last full one (the sending rank)."""
         self.delta_sender = DeltaSender()
         self.delta_receiver = DeltaReceiver()
         self._plan: DeltaPlan | None = None
@@ -124,7 +122,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         if self.delta:
             held = self.delta_sender.version or self.delta_receiver.version
             due = (self.full_verify_every > 0
-                   and self._deltas_since_full + 1 >= self.full_verify_every)
+                   and self.delta_sender.deltas_since_full + 1 >= self.full_verify_every)
             # a sender due for a full sync reports no version: the plan is then a full one
             metadata = {**metadata, _HELD: None if due and self.delta_sender.version else held}
         return metadata
@@ -182,8 +180,6 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         weights = self.delta_sender.encoded(self.engine, weights, plan,
                                             self.engine.rollout_dtype, encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
-        if plan is not None and encoding:
-            self._deltas_since_full = self._deltas_since_full + 1 if plan.is_delta else 0
         if not self._stats.num_tensors:
             return {}
         metrics = {

@@ -176,6 +176,9 @@ class DeltaSender(_Versioned):
     """The sending actor rank's side: keeps the last sent version (rollout dtype, host
     memory) and encodes each new tensor as a patch against it."""
 
+    deltas_since_full = 0
+    """Delta syncs this sender encoded to the end since its last full one."""
+
     def stream(self, weights: WeightsSource, plan: DeltaPlan | None,
                rollout_dtype: torch.dtype | None, sending: bool = True) -> WeightsSource:
         """What a sending process hands its engine: ``weights`` encoded for ``plan``
@@ -232,6 +235,7 @@ class DeltaSender(_Versioned):
             stats.wire_bytes += patch_stats.nbytes
             yield name, patch
         self._end(plan, seen)
+        self.deltas_since_full = self.deltas_since_full + 1 if plan.is_delta else 0
 
     def _baseline(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         old = self.baselines.get(name)
