@@ -37,6 +37,28 @@ except ImportError as exc:  # the registry shows this message as the backend's l
 
 __all__ = ["MooncakeTransport"]
 
+_BIND_ATTEMPTS = 3
+"""Transfer Engines started before giving up when the listening port each picks at random
+is already taken (it picks another each time)."""
+
+
+def _initialized_engine(host: str, protocol: str, device_name: str
+                        ) -> tuple[TransferEngine, int]:
+    """A Transfer Engine initialised for peer-to-peer handshakes, and the code
+    ``initialize`` returned. Mooncake chooses its listening ports at random and raises
+    ``RuntimeError("bind: Address already in use")`` where one is taken (seen once in a
+    CI run of about a hundred engines): a fresh engine then tries other ports."""
+    attempts_left = _BIND_ATTEMPTS
+    while True:
+        engine = TransferEngine()
+        try:
+            return engine, engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        except RuntimeError as exc:
+            attempts_left -= 1
+            if "Address already in use" not in str(exc) or not attempts_left:
+                raise
+
+
 _FIRST_POLL_SECONDS = 20e-6
 _MAX_POLL_SECONDS = 2e-3
 _DONE, _IN_PROGRESS = 1, 0
@@ -53,9 +75,8 @@ class MooncakeTransport(PeerTransport):
     """
 
     def __init__(self, host: str, protocol: str = "tcp", device_name: str = "") -> None:
-        engine = TransferEngine()
+        engine, code = _initialized_engine(host, protocol, device_name)
         self._engine: TransferEngine | None = engine
-        code = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if code != 0:
             raise WeightSyncError(
                 f"Mooncake Transfer Engine failed to start on {host} with protocol "
