@@ -338,7 +338,8 @@ class CheckpointEngineManager:
         also ``delta`` (1 for a sync of patches, 0 for a full one), ``model_bytes`` (the
         weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
         ``seconds/diff`` (the sender's diffing) and ``seconds/apply`` (the slowest
-        worker's patching and checking).
+        worker's patching and checking), and ``actor_kept_bytes`` (the largest copy an
+        actor rank keeps for the next sync).
         """
         return await self._update_weights(global_steps, allow_manifest_change)
 
@@ -709,7 +710,8 @@ def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
     fraction of elements that changed, the seconds spent diffing), summed over the actor
     ranks where each sends its own share (``shares``), the fraction of its replicas that got
     patches (``delta``: 1 or 0 where it was one round) and the longest any rollout worker
-    spent applying them. With ``shares``, ``bytes`` is what the ranks' shares sent."""
+    spent applying them. With ``shares``, ``bytes`` is what the ranks' shares sent.
+    ``actor_kept_bytes``: the largest copy any actor rank keeps for the next sync."""
     def reported(round_: _Round) -> dict[str, float]:
         senders = [result for result in round_.sent if "delta_elements" in result]
         if not shares:
@@ -735,6 +737,10 @@ def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
     }
     if shares:
         metrics["weightsync/bytes"] = sum(report["delta_wire_bytes"] for report in reports)
+    kept = [result["delta_kept_bytes"] for result in rounds[-1].sent
+            if "delta_kept_bytes" in result]
+    if kept:
+        metrics["weightsync/actor_kept_bytes"] = max(kept)
     return metrics
 
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from weightsync_core.base import (
     CheckpointEngine,
@@ -20,7 +21,7 @@ from weightsync_core.base import (
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
 from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender
+from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender, SpreadDeltaSender
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
 from weightsync_core.plugins import load_custom_backend_module
@@ -430,16 +431,26 @@ class ActorCheckpointEngineMixin:
     checkpoint_engine_config: CheckpointEngineConfig
 
     def init_checkpoint_engine(
-        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
+        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None,
+        delta_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Build this process's engine (importing ``custom_backend_module`` first); an
-        engine built before is closed first."""
+        engine built before is closed first.
+
+        ``delta_group``: the ``torch.distributed`` group of the actor's ranks, where each
+        rank's :meth:`iter_weights` yields the same full tensors in step (an FSDP actor's
+        gathers): in a delta sync each rank then keeps and diffs only its slice of every
+        tensor (:class:`~weightsync_core.delta.SpreadDeltaSender`) instead of the sending
+        rank keeping the whole model. Ignored by engines whose ranks each send their own
+        share (they keep only that already)."""
         close_engine(getattr(self, "checkpoint_engine", None))
         self.checkpoint_engine = build_engine(config)
         self.checkpoint_engine_config = config
         self.colocated_server_adapter = server_adapter
         self.colocated_manifest_guard = ManifestGuard()
-        self.delta_sender = DeltaSender()
+        spread = (delta_group is not None and dist.get_world_size(delta_group) > 1
+                  and not self.checkpoint_engine.encodes_own_share)
+        self.delta_sender = SpreadDeltaSender(delta_group) if spread else DeltaSender()
 
     def iter_weights(self) -> WeightsSource:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
@@ -494,4 +505,6 @@ class ActorCheckpointEngineMixin:
         result = stats.as_dict()
         if encoding:
             result.update(self.delta_sender.last_stats.as_dict())
+        if plan is not None:
+            result["delta_kept_bytes"] = float(self.delta_sender.kept_bytes)
         return result

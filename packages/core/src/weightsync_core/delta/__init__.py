@@ -19,6 +19,7 @@ from weightsync_core.delta.patch import (
     encode_patch,
     tensor_digest,
 )
+from weightsync_core.delta.spread import SpreadDeltaSender
 
 __all__ = [
     "PATCH_HEADER_BYTES",
@@ -31,6 +32,7 @@ __all__ = [
     "PatchKind",
     "PatchStats",
     "ShareEncoder",
+    "SpreadDeltaSender",
     "apply_patch",
     "encode_patch",
     "tensor_digest",

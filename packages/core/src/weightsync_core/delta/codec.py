@@ -149,6 +149,11 @@ class _Versioned:
         self.version: str | None = None
         self.last_stats = DeltaStats()
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the copies this side keeps."""
+        return sum(copy.numel() * copy.element_size() for copy in self.baselines.values())
+
     def forget(self) -> None:
         """Drop the baselines and the token (the next sync must be full)."""
         self.baselines = {}
@@ -241,15 +246,21 @@ class DeltaSender(_Versioned):
         old = self.baselines.get(name)
         if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
             self.forget()
-            was = ("was not in the last version" if old is None else
-                   f"changed from {list(old.shape)} {old.dtype} to {list(tensor.shape)} "
-                   f"{tensor.dtype}")
-            raise ManifestChangedError(
-                f"tensor {name!r} {was}: a delta sync needs the layout of the last one. If "
-                "the model's layout changed on purpose, pass allow_manifest_change=True "
-                "(that sync is a full one)", tensors=[name],
-            )
+            raise layout_changed(name, None if old is None else (old.shape, old.dtype), tensor)
         return old
+
+
+def layout_changed(name: str, last: tuple[torch.Size, torch.dtype] | None,
+                   tensor: torch.Tensor) -> ManifestChangedError:
+    """The error of a delta sync meeting ``tensor`` under ``name`` whose shape and dtype in
+    the last version were ``last`` (None: it was not in it)."""
+    was = ("was not in the last version" if last is None else
+           f"changed from {list(last[0])} {last[1]} to {list(tensor.shape)} {tensor.dtype}")
+    return ManifestChangedError(
+        f"tensor {name!r} {was}: a delta sync needs the layout of the last one. If the "
+        "model's layout changed on purpose, pass allow_manifest_change=True (that sync is a "
+        "full one)", tensors=[name],
+    )
 
 
 class DeltaReceiver(_Versioned):

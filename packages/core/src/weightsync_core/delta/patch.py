@@ -32,7 +32,11 @@ __all__ = [
     "PatchKind",
     "PatchStats",
     "apply_patch",
+    "build_patch",
+    "cheapest_kind",
+    "diff_into",
     "encode_patch",
+    "flat_words",
     "tensor_digest",
 ]
 
@@ -68,7 +72,7 @@ class PatchStats:
     nbytes: int
 
 
-def _words(tensor: torch.Tensor) -> torch.Tensor:
+def flat_words(tensor: torch.Tensor) -> torch.Tensor:
     """A flat view of a contiguous ``tensor``'s elements as integers of their width (bytes
     for widths without an integer type)."""
     flat = tensor.reshape(-1)
@@ -122,41 +126,74 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
         raise ValueError(f"a patch needs the same shape and dtype: new {list(new.shape)} "
                          f"{new.dtype}, baseline {list(old.shape)} {old.dtype}")
     new = new.detach().contiguous()
-    new_words = _words(new)
-    old_words = _words(old).to(new.device)
-    numel = new_words.numel()
-    word_bytes = new_words.element_size()
-    digest = tensor_digest(new)
+    positions = diff_into(new.reshape(-1), old.reshape(-1))
+    return build_patch(new, positions)
+
+
+def diff_into(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, ascending) where the flat contiguous ``new`` differs bitwise
+    from ``old`` (same size and dtype, on any device), compared where ``new`` lives; ``old``
+    is then updated to equal ``new`` (only the changed elements are written)."""
+    new_words = flat_words(new)
+    old_words = flat_words(old).to(new.device)
     positions = _changed_positions(new_words, old_words)
-    changed = positions.numel()
-    position_dtype = torch.int32 if numel < 2**31 else torch.int64
+    values = new_words[positions]
+    if old_words.device == old.device:
+        old_words.index_copy_(0, positions, values)
+    else:  # diffed where the new tensor lives: only the changed elements go back
+        flat_words(old).index_copy_(0, positions.to(old.device), values.to(old.device))
+    return positions
+
+
+def cheapest_kind(numel: int, changed: int, word_bytes: int) -> PatchKind:
+    """The smallest encoding of a tensor of ``numel`` elements of ``word_bytes`` bytes of
+    which ``changed`` changed."""
+    position_bytes = 4 if numel < 2**31 else 8
     sizes = {
         PatchKind.UNCHANGED: 0 if changed == 0 else None,
-        PatchKind.POSITIONS: _padded(changed * position_dtype.itemsize)
-        + _padded(changed * word_bytes),
+        PatchKind.POSITIONS: _padded(changed * position_bytes) + _padded(changed * word_bytes),
         PatchKind.BITMASK: _padded(-(-numel // 8)) + _padded(changed * word_bytes),
         PatchKind.WHOLE: _padded(numel * word_bytes),
     }
-    kind = min((size, kind) for kind, size in sizes.items() if size is not None)[1]
-    header = _header(kind, digest, numel, changed, new.device)
+    return min((size, kind) for kind, size in sizes.items() if size is not None)[1]
+
+
+def build_patch(new: torch.Tensor, positions: torch.Tensor | None,
+                changed: int | None = None) -> tuple[torch.Tensor, PatchStats]:
+    """The patch of the contiguous tensor ``new`` whose elements at the flat ``positions``
+    (ascending) changed, in the cheapest encoding (:func:`cheapest_kind`), with the digest of
+    the whole of ``new``. ``positions`` may be None where ``changed`` elements changed and
+    that encoding needs none (the whole tensor, or nothing).
+
+    Raises:
+        ValueError: ``positions`` None where the encoding needs them.
+    """
+    new_words = flat_words(new)
+    numel = new_words.numel()
+    word_bytes = new_words.element_size()
+    if positions is not None:
+        changed = positions.numel()
+    if changed is None:
+        raise ValueError("build_patch needs the positions or the number changed")
+    kind = cheapest_kind(numel, changed, word_bytes)
+    header = _header(kind, tensor_digest(new), numel, changed, new.device)
     if kind == PatchKind.UNCHANGED:
         return header, PatchStats(kind, numel, 0, PATCH_HEADER_BYTES)
-    values = new_words[positions]
     if kind == PatchKind.WHOLE:
         sections = [_section(new_words.view(torch.uint8), numel * word_bytes)]
+    elif positions is None:
+        raise ValueError(f"a {kind.name} patch of {changed} of {numel} elements needs their "
+                         "positions")
     else:
+        positions = positions.to(new.device).long()
         if kind == PatchKind.POSITIONS:
-            where = positions.to(position_dtype).view(torch.uint8)
+            where = positions.to(torch.int32 if numel < 2**31 else torch.int64).view(torch.uint8)
         else:
             changed_mask = torch.zeros(numel, dtype=torch.bool, device=new.device)
             changed_mask[positions] = True
             where = _pack_bits(changed_mask)
-        sections = [_section(where, where.numel()),
-                    _section(values.view(torch.uint8), changed * word_bytes)]
-    if old_words.device == old.device:
-        old_words.index_copy_(0, positions, values)
-    else:  # diffed where the new tensor lives: only the changed elements go back
-        _words(old).index_copy_(0, positions.to(old.device), values.to(old.device))
+        values = new_words[positions].view(torch.uint8)
+        sections = [_section(where, where.numel()), _section(values, changed * word_bytes)]
     patch = torch.cat([header, *sections])
     return patch, PatchStats(kind, numel, changed, patch.numel())
 
@@ -217,7 +254,7 @@ def apply_patch(patch: torch.Tensor, baseline: torch.Tensor, name: str) -> Patch
                          f"{list(patch.shape)}, which is no patch")
     magic, kind, digest_kind, numel, changed, digest = _HEADER.unpack(
         bytes(patch[:PATCH_HEADER_BYTES].cpu().numpy()))
-    words = _words(baseline)
+    words = flat_words(baseline)
     if magic != _MAGIC or kind not in PatchKind.__members__.values() or numel != words.numel():
         raise ValueError(f"tensor {name!r}: the patch (magic {magic!r}, kind {kind}, "
                          f"{numel} elements) does not fit this worker's copy "
