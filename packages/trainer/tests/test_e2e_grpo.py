@@ -56,6 +56,9 @@ def test_gloo_replicas_hold_exactly_the_actor_weights(gloo_run):
     assert [row["weightsync/delta"] for row in rows] == [1.0] * len(rows)
     # the replicas' parameters were patched in place: their workers keep no copy of them
     assert [status["delta_kept_bytes"] for status in checksums["statuses"]] == [0, 0]
+    # each of the 2 actor ranks keeps its half of the last version, none the whole model
+    for row in rows:
+        assert 0 < row["weightsync/actor_kept_bytes"] <= row["weightsync/model_bytes"] / 2 + 64
 
 
 def test_manager_that_moves_nothing_does_not_improve(noop_run, gloo_run):
@@ -79,11 +82,17 @@ def _landed_backends():
 
 @pytest.mark.parametrize("backend", _landed_backends())
 def test_same_run_with_every_landed_backend(backend):
-    runner, rows = _run(backend, 3)
+    """Delta sync on: patches, bit-exact, with each actor rank keeping at most its half of
+    the last version (kimi's ranks: their own shares; the ring engines' ranks: a slice each
+    of every tensor)."""
+    runner, rows = _run(backend, 3, "rollout.checkpoint_engine.delta=true")
     try:
         checksums = runner.trainer.weights_checksums()
     finally:
         runner.trainer.shutdown()
     assert checksums["rollout"] == [checksums["actor"]] * 2
     assert all(row["weightsync/bytes"] > 0 for row in rows)
+    assert [row["weightsync/delta"] for row in rows] == [1.0] * len(rows)
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
+    for row in rows:
+        assert row["weightsync/actor_kept_bytes"] < row["weightsync/model_bytes"] * 0.75

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
@@ -40,7 +41,9 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         if CheckpointEngineRegistry.get(engine_config.backend).is_colocated:
             colocated = HFGenerationServer(self.config.model, self.config.temperature,
                                            engine_config.rollout_torch_dtype)
-        self.init_checkpoint_engine(engine_config, server_adapter=colocated)
+        # every rank gathers the same full tensors: a delta sync spreads its copy over them
+        self.init_checkpoint_engine(engine_config, server_adapter=colocated,
+                                    delta_group=dist.group.WORLD)
 
     def iter_weights(self) -> WeightsSource:
         return full_parameters(self._built_model())
