@@ -116,6 +116,9 @@ def test_verls_manager_moves_delta_syncs_bit_exact(cluster) -> None:
             if delta:  # kimi: what the last actor rank's share sent
                 sent = metrics.get("weightsync/bytes", metrics.get("weightsync/share_bytes"))
                 assert sent < cluster.nbytes() / 5, metrics
+            # each of the 2 trainer ranks keeps its slice (or kimi's share) of the version
+            kept = cluster.delta_kept_bytes()
+            assert all(0 < size < cluster.nbytes() * 0.75 for size in kept), kept
 
     try:
         asyncio.run(train())

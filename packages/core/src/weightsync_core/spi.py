@@ -38,7 +38,13 @@ from weightsync_core.bucketing import (
     iter_named_tensors,
 )
 from weightsync_core.channel import ControlChannel, PeerEndpoints
-from weightsync_core.delta import DeltaBaselineError, DeltaPlan, DeltaReceiver, DeltaSender
+from weightsync_core.delta import (
+    DeltaBaselineError,
+    DeltaPlan,
+    DeltaReceiver,
+    DeltaSender,
+    SpreadDeltaSender,
+)
 from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
 from weightsync_core.engines import (
     CollectiveBroadcastCheckpointEngine,
@@ -108,6 +114,7 @@ __all__ = [
     "RingCheckpointEngine",
     "RingOptions",
     "SenderAbortedError",
+    "SpreadDeltaSender",
     "SyncProgress",
     "TransferError",
     "TransferStats",

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from verl.checkpoint_engine import CheckpointEngine as VerlCheckpointEngine
 from verl.checkpoint_engine import CheckpointEngineRegistry as VerlRegistry
 
@@ -33,7 +34,7 @@ from weightsync_core import (
     TransferStats,
     new_session_key,
 )
-from weightsync_core.spi import DeltaPlan, DeltaReceiver, DeltaSender
+from weightsync_core.spi import DeltaPlan, DeltaReceiver, DeltaSender, SpreadDeltaSender
 
 __all__ = [
     "PREFIX",
@@ -47,6 +48,7 @@ PREFIX = "weightsync_"
 """verl's name of weightsync backend ``X`` is ``weightsync_X`` (verl's own ``nixl``,
 ``mooncake``, ``nccl`` keep their names)."""
 _HELD = "delta_held"
+_SPREAD = "delta_spread"
 """The key of the version a process holds in its ``prepare()`` metadata (delta sync)."""
 
 def verl_backend_name(backend: str) -> str:
@@ -109,7 +111,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                              f"needed), got {full_verify_every!r}")
         self.delta = delta
         self.full_verify_every = full_verify_every
-        self.delta_sender = DeltaSender()
+        self.delta_sender: DeltaSender | None = None
+        """Built at this process's first send (an actor rank's): :meth:`_actor_sender`."""
         self.delta_receiver = DeltaReceiver()
         self._plan: DeltaPlan | None = None
         self._stats = TransferStats()
@@ -120,11 +123,14 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         version this process holds)."""
         metadata = self.engine.prepare()
         if self.delta:
-            held = self.delta_sender.version or self.delta_receiver.version
-            due = (self.full_verify_every > 0
-                   and self.delta_sender.deltas_since_full + 1 >= self.full_verify_every)
+            sender = self.delta_sender
+            sent = sender.version if sender is not None else None
+            held = sent or self.delta_receiver.version
+            due = (sender is not None and self.full_verify_every > 0
+                   and sender.deltas_since_full + 1 >= self.full_verify_every)
             # a sender due for a full sync reports no version: the plan is then a full one
-            metadata = {**metadata, _HELD: None if due and self.delta_sender.version else held}
+            metadata = {**metadata, _HELD: None if due and sent else held,
+                        _SPREAD: isinstance(sender, SpreadDeltaSender)}
         return metadata
 
     @classmethod
@@ -139,11 +145,14 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         engine_cls = CheckpointEngineRegistry.get(cls.backend)
         held: list[str | None] | None = None
         if metadata and isinstance(metadata[0], dict) and _HELD in metadata[0]:
-            # the ranks that send: rank 0, or every actor rank where each sends its share
-            senders = actor_wg_world_size if engine_cls.encodes_own_share else 1
+            # the ranks that keep the version: rank 0, or every actor rank where each sends
+            # its share or keeps its slice of a copy spread over them
+            spread = engine_cls.encodes_own_share or bool(metadata[0].get(_SPREAD))
+            senders = actor_wg_world_size if spread else 1
             held = [m.get(_HELD) for m in (*metadata[:senders],
                                            *metadata[actor_wg_world_size:])]
-            metadata = [{k: v for k, v in m.items() if k != _HELD} for m in metadata]
+            metadata = [{k: v for k, v in m.items() if k not in (_HELD, _SPREAD)}
+                        for m in metadata]
         actor, rollout = engine_cls.build_replica_topology(
             actor_wg_world_size, [1] * rollout_world_size, metadata
         )
@@ -177,8 +186,9 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         ``weightsync/bytes``."""
         plan = self._plan
         encoding = plan is not None and self.engine.sends_weights()
-        weights = self.delta_sender.encoded(self.engine, weights, plan,
-                                            self.engine.rollout_dtype, encoding)
+        sender = self._actor_sender()
+        weights = sender.encoded(self.engine, weights, plan, self.engine.rollout_dtype,
+                                 encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
         if not self._stats.num_tensors:
             return {}
@@ -189,7 +199,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
             "weightsync/seconds/send": self._stats.seconds,
         }
         if plan is not None and encoding:
-            stats = self.delta_sender.last_stats
+            stats = sender.last_stats
             metrics.update({
                 "weightsync/delta": 1.0 if plan.is_delta else 0.0,
                 "weightsync/model_bytes": float(stats.model_bytes),
@@ -201,6 +211,17 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 del metrics["weightsync/bytes"]
                 metrics["weightsync/share_bytes"] = float(stats.wire_bytes)
         return metrics
+
+    def _actor_sender(self) -> DeltaSender:
+        """This actor rank's delta sender, built at its first send: where verl's actor
+        ranks form the default process group (FSDP: each iterates the same gathered
+        tensors), a copy spread over them, each rank keeping its slice; else one whole copy
+        on the sending rank (and, with kimi, each rank's share)."""
+        if self.delta_sender is None:
+            spread = (not self.engine.encodes_own_share and dist.is_available()
+                      and dist.is_initialized() and dist.get_world_size() > 1)
+            self.delta_sender = SpreadDeltaSender() if spread else DeltaSender()
+        return self.delta_sender
 
     # verl annotates receive_weights as a coroutine returning a Generator; its engines (and
     # its CheckpointEngineWorker, which iterates with ``async for``) make it an async generator

@@ -104,6 +104,9 @@ class TrainerWorker(Worker):
 
     def __init__(self, config: CheckpointEngineConfig, weights: str) -> None:
         super().__init__()
+        # the trainer ranks' default process group, as verl's FSDP workers make (gloo on CPU)
+        torch.distributed.init_process_group(backend="gloo", rank=self.rank,
+                                             world_size=self.world_size)
         self.checkpoint_engine: VerlCheckpointEngine | None = None
         self.use_backend(config)
         self.weights = _load_weights(weights)
@@ -137,6 +140,12 @@ class TrainerWorker(Worker):
                     noise *= torch.rand(tensor.shape, generator=generator) < fraction
                 tensor.add_(noise)
         return {name: digest(tensor) for name, tensor in self.weights.items()}
+
+    @register(dispatch_mode=_ONE_TO_ALL)
+    def delta_kept_bytes(self) -> int:
+        """Bytes of the copy this rank's engine keeps for delta syncs (0 without one)."""
+        sender = getattr(self.checkpoint_engine, "delta_sender", None)
+        return sender.kept_bytes if sender is not None else 0
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def nbytes(self) -> int:
@@ -288,6 +297,10 @@ class VerlCluster:
     def nbytes(self) -> int:
         """Bytes of one copy of the trainer's weights."""
         return self.actor_wg.nbytes()[0]  # pyright: ignore[reportAttributeAccessIssue]
+
+    def delta_kept_bytes(self) -> list[int]:
+        """Per trainer rank: the bytes its engine keeps for delta syncs."""
+        return self.actor_wg.delta_kept_bytes()  # pyright: ignore[reportAttributeAccessIssue]
 
     def reports(self) -> list[dict[str, Any]]:
         """Per rollout worker: what arrived (see :meth:`RecordingCheckpointEngineWorker.report`)."""
