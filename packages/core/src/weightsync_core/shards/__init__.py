@@ -1,0 +1,19 @@
+"""Sharded delivery's data: layouts (what each actor rank holds and each rollout worker
+needs, a box per checkpoint tensor) and the transfer plan built from them (see the core
+README, "Layouts and transfer plans")."""
+
+from weightsync_core.shards.box import Box
+from weightsync_core.shards.layout import Layout, Shapes, fsdp_layout
+from weightsync_core.shards.tensor_parallel import DecoderShape, decoder_tensor_parallel_layout
+from weightsync_core.shards.transfers import Transfer, TransferPlan
+
+__all__ = [
+    "Box",
+    "DecoderShape",
+    "Layout",
+    "Shapes",
+    "Transfer",
+    "TransferPlan",
+    "decoder_tensor_parallel_layout",
+    "fsdp_layout",
+]

@@ -1,0 +1,134 @@
+"""Layouts and transfer plans: FSDP2 rows into tensor-parallel workers, moving real tensors
+piece by piece, bit-exact, and the errors of layouts that cannot work."""
+
+import pytest
+import torch
+
+from weightsync_core.shards import (
+    Box,
+    DecoderShape,
+    Layout,
+    TransferPlan,
+    decoder_tensor_parallel_layout,
+    fsdp_layout,
+)
+
+# a small Qwen2: 4 query heads of 8, 2 KV heads, MLP 48, vocabulary 100 (not a multiple of 64)
+MODEL = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=48)
+SHAPES = {
+    "model.embed_tokens.weight": (100, 32),
+    "model.layers.0.input_layernorm.weight": (32,),
+    "model.layers.0.self_attn.q_proj.weight": (32, 32),
+    "model.layers.0.self_attn.q_proj.bias": (32,),
+    "model.layers.0.self_attn.k_proj.weight": (16, 32),
+    "model.layers.0.self_attn.k_proj.bias": (16,),
+    "model.layers.0.self_attn.v_proj.weight": (16, 32),
+    "model.layers.0.self_attn.v_proj.bias": (16,),
+    "model.layers.0.self_attn.o_proj.weight": (32, 32),
+    "model.layers.0.mlp.gate_proj.weight": (48, 32),
+    "model.layers.0.mlp.up_proj.weight": (48, 32),
+    "model.layers.0.mlp.down_proj.weight": (32, 48),
+    "model.norm.weight": (32,),
+    "lm_head.weight": (100, 32),
+    "step": (),
+}
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def _tp(tp_size: int) -> list[Layout]:
+    return [decoder_tensor_parallel_layout(SHAPES, MODEL, tp_size, rank)
+            for rank in range(tp_size)]
+
+
+def test_fsdp_rows_follow_torch_chunk_and_scalars_are_replicated():
+    held = [fsdp_layout(SHAPES, 2, rank) for rank in range(2)]
+    assert held[0].boxes["lm_head.weight"] == Box(((0, 50), (0, 32)))
+    assert held[1].boxes["model.layers.0.self_attn.k_proj.bias"] == Box(((8, 16),))
+    for rank, layout in enumerate(fsdp_layout({"odd": (5, 3)}, 3, r) for r in range(3)):
+        expected = torch.arange(15).reshape(5, 3).chunk(3)
+        assert torch.equal(layout.boxes["odd"].cut(torch.arange(15).reshape(5, 3)),
+                           expected[rank])
+    # 2 rows on 3 ranks: the third holds none
+    assert "two" not in fsdp_layout({"two": (2, 4)}, 3, 2).boxes
+    assert all(layout.boxes["step"] == Box(()) and "step" in layout.replicated
+               for layout in held)
+
+
+def test_tensor_parallel_layout_is_vllms_split():
+    tp2 = _tp(2)
+    assert tp2[1].boxes["model.embed_tokens.weight"] == Box(((64, 100), (0, 32)))  # padded
+    assert tp2[1].boxes["model.layers.0.self_attn.q_proj.weight"] == Box(((16, 32), (0, 32)))
+    assert tp2[1].boxes["model.layers.0.self_attn.k_proj.weight"] == Box(((8, 16), (0, 32)))
+    assert tp2[1].boxes["model.layers.0.self_attn.o_proj.weight"] == Box(((0, 32), (16, 32)))
+    assert tp2[0].boxes["model.layers.0.mlp.down_proj.weight"] == Box(((0, 32), (0, 24)))
+    assert tp2[0].boxes["model.norm.weight"] == Box.whole((32,))
+    # TP=4 over 2 KV heads: each head on two ranks
+    kv = [layout.boxes["model.layers.0.self_attn.v_proj.bias"] for layout in _tp(4)]
+    assert kv == [Box(((0, 8),)), Box(((0, 8),)), Box(((8, 16),)), Box(((8, 16),))]
+    with pytest.raises(ValueError, match="num_attention_heads 4 does not divide into 3"):
+        decoder_tensor_parallel_layout(SHAPES, MODEL, 3, 0)
+    with pytest.raises(ValueError, match="rank 2 is not a rank of 2"):
+        decoder_tensor_parallel_layout(SHAPES, MODEL, 2, 2)
+
+
+def test_a_plan_moves_fsdp_rows_into_tp_workers_bit_exact():
+    """2 FSDP ranks -> 2 replicas of TP=2 and one of TP=1 (5 rollout ranks): each worker
+    gets exactly its boxes, each from the rank that holds those rows, real tensors moved."""
+    full = _weights()
+    held = [fsdp_layout(SHAPES, 2, rank) for rank in range(2)]
+    needed = [*_tp(2), *_tp(2), Layout.whole(SHAPES)]
+    plan = TransferPlan.build(SHAPES, held, needed)
+    shards = [{name: box.cut(full[name]).clone() for name, box in layout.boxes.items()}
+              for layout in held]
+    received = [{name: torch.full(box.shape, float("nan")) for name, box in layout.boxes.items()}
+                for layout in needed]
+    for transfer in plan.transfers:
+        source = held[transfer.sender].boxes[transfer.name]
+        target = needed[transfer.receiver].boxes[transfer.name]
+        piece = transfer.box.within(source).cut(shards[transfer.sender][transfer.name])
+        transfer.box.within(target).cut(received[transfer.receiver][transfer.name]).copy_(piece)
+    for rank, layout in enumerate(needed):
+        for name, box in layout.boxes.items():
+            assert torch.equal(received[rank][name], box.cut(full[name])), (rank, name)
+    # the TP=1 worker needs everything; the TP=2 workers about half (norms whole; rank 0
+    # holds 64 of the 100 vocabulary rows, as vLLM pads the vocabulary to 128)
+    per_worker = plan.elements("receiver")
+    model = sum(box.numel for box in Layout.whole(SHAPES).boxes.values())
+    assert per_worker[4] == model
+    assert all(model * 0.4 < per_worker[rank] < model * 0.6 for rank in range(4))
+    # the replicated scalar alternates between the senders (it goes 5 times)
+    scalar = [t.sender for t in plan.transfers if t.name == "step"]
+    assert sorted(scalar) in ([0, 0, 0, 1, 1], [0, 0, 1, 1, 1])
+    senders = plan.elements("sender")
+    assert abs(senders[0] - senders[1]) < 0.1 * senders[0]
+
+
+def test_the_digest_changes_with_the_plan_and_only_with_it():
+    held = [fsdp_layout(SHAPES, 2, rank) for rank in range(2)]
+    one = TransferPlan.build(SHAPES, held, _tp(2))
+    assert one.digest == TransferPlan.build(SHAPES, held, _tp(2)).digest
+    assert one.digest != TransferPlan.build(SHAPES, held, _tp(2)[::-1]).digest
+    assert one.digest != TransferPlan.build(SHAPES, held, [Layout.whole(SHAPES)] * 2).digest
+
+
+def test_layouts_that_cannot_work_fail_naming_what_is_wrong():
+    held = [fsdp_layout(SHAPES, 2, 0)]  # rank 1's rows are missing
+    with pytest.raises(ValueError, match=r"rollout rank 0 needs \[0:100, 0:32\] of tensor "
+                       r"'model.embed_tokens.weight', of which the actor ranks hold only "
+                       r"1600 of 3200"):
+        TransferPlan.build(SHAPES, held, [Layout.whole(SHAPES)])
+    overlapping = [Layout({"w": Box(((0, 3),))}), Layout({"w": Box(((2, 4),))})]
+    with pytest.raises(ValueError, match=r"actor ranks \[0\] hold \[0:3\] and actor ranks "
+                       r"\[1\] hold \[2:4\], which overlap"):
+        TransferPlan.build({"w": (4,)}, overlapping, [Layout.whole({"w": (4,)})])
+    with pytest.raises(ValueError, match=r"rollout rank 0: its layout's box \[0:5\] of tensor "
+                       r"'w' does not fit the tensor's shape \[4\]"):
+        TransferPlan.build({"w": (4,)}, [Layout.whole({"w": (4,)})],
+                           [Layout({"w": Box(((0, 5),))})])
+    with pytest.raises(ValueError, match="actor rank 0: its layout names tensor 'x'"):
+        TransferPlan.build({"w": (4,)}, [Layout.whole({"x": (4,)})], [])
