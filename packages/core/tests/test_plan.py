@@ -18,6 +18,8 @@ from weightsync_core.plan import (
     pipeline,
     plan,
     ring,
+    sharded_delivery,
+    sharded_plan,
     sharded_pull,
 )
 
@@ -169,3 +171,63 @@ def test_cli_prints_a_ranked_table_and_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [row["backend"] for row in rows] == ["gloo"]
     assert rows[0]["seconds"] > 2 * 8 / 10  # two copies of 1 GB over 10 Gbit/s
+
+
+def test_nccl_spreads_a_broadcast_over_every_nic_of_a_host():
+    one = chained_broadcast("nccl", cluster(replicas=4), Workload(1000, 100), EngineCosts())
+    four = chained_broadcast("nccl", cluster(replicas=4, nics_per_host=4), Workload(1000, 100),
+                             EngineCosts())
+    # the copy's wire time (1 s of each 6 s a bucket) over 4 NICs; the chain's fill is not
+    assert four.seconds == pytest.approx(one.seconds - 10 * 0.75)
+    assert "over its 4 NICs" in four.bound
+    # the ring sends from one process a hop: one NIC each, however many the host has
+    assert ring("nixl", cluster(replicas=2, nics_per_host=4), Workload(1000, 100),
+                EngineCosts()).seconds == ring("nixl", cluster(replicas=2), Workload(1000, 100),
+                                               EngineCosts()).seconds
+    with pytest.raises(ValueError, match="nics_per_host must be an integer >= 1"):
+        cluster(nics_per_host=0)
+
+
+def test_sharded_delivery_sends_each_worker_its_shard_from_every_actor_rank():
+    # 2 actor hosts of 2 ranks -> 2 replicas of TP=2, a worker a host, a NIC a host: each
+    # worker needs half of 1000 bytes; the actor side sends the 2000 bytes all 4 need, 1000
+    # over each actor host's one NIC: the busier end (10 buckets of 100 bytes at 1.5 s)
+    layout = {"actor_hosts": 2, "actor_ranks_per_host": 2, "replicas": 2,
+              "workers_per_replica": 2}
+    prediction = sharded_delivery("nixl", cluster(**layout), Workload(1000, 100), EngineCosts())
+    assert prediction.bound == "actor host NIC uplinks (1e-06 GB each)"
+    assert prediction.seconds == pytest.approx(10 * 1.5)
+    # a NIC per process: each actor rank's 500 bytes over its own NIC, as fast as a worker's
+    fast = sharded_delivery("nixl", cluster(**layout, nics_per_host=2), Workload(1000, 100),
+                            EngineCosts())
+    assert fast.seconds == pytest.approx(5 * 1.5)
+    # norms and replicated heads every worker needs whole: a quarter of the model
+    replicated = sharded_delivery("nixl", cluster(**layout, nics_per_host=2),
+                                  Workload(1000, 100), EngineCosts(), replicated_fraction=0.25)
+    # 625 bytes a worker: 7 buckets, each a latency, 6.25 s of wire in all
+    assert replicated.seconds == pytest.approx(7 * 0.5 + 6.25)
+    with pytest.raises(ValueError, match="replicated_fraction must be within"):
+        sharded_delivery("nixl", cluster(), Workload(1000, 100), EngineCosts(), 1.5)
+
+
+def test_the_1t_case_with_8_nics_a_host_is_bound_by_the_rollout_downlinks():
+    """1 TB (FP8) from 256 trainer GPUs (32 hosts of 8) into 8 replicas of 16 GPUs (16 hosts
+    of 8), 8 NICs of 400 Gbit/s a host: Perplexity publishes 1.3 s."""
+    cluster_1t = Cluster(Link(50e9, 5e-6), Link(450e9, 2e-6), actor_hosts=32,
+                         actor_ranks_per_host=8, replicas=8, workers_per_replica=16,
+                         rollout_workers_per_host=8, nics_per_host=8)
+    prediction = sharded_plan(cluster_1t, Workload(int(1000e9), 1 << 30), device="gpu")
+    assert prediction.seconds == pytest.approx(1.31, abs=0.01)
+    assert prediction.bound == "rollout host NIC downlinks (62.5 GB each)"
+
+
+def test_cli_predicts_sharded_delivery_beside_the_table(capsys):
+    argv = ["plan", "--model-gb", "1", "--replicas", "2", "--workers-per-replica", "2",
+            "--actor-ranks-per-host", "2", "--nics-per-host", "2", "--sharded"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sharded delivery (each rollout worker its shard from every actor rank; not in " \
+        "the engines yet)" in out
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[-1]["option"] == "sharded delivery" and rows[-1]["engine_kwargs"] is None

@@ -146,19 +146,24 @@ def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
 
 
 def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
-    from weightsync_core.plan import Cluster, Workload, plan, plan_table
+    from weightsync_core.plan import Cluster, Workload, plan, plan_table, sharded_plan
 
     cluster = Cluster(
         nic, intra, actor_hosts=args.actor_hosts, actor_ranks_per_host=args.actor_ranks_per_host,
         replicas=args.replicas, workers_per_replica=args.workers_per_replica,
-        rollout_workers_per_host=args.rollout_workers_per_host,
+        rollout_workers_per_host=args.rollout_workers_per_host, nics_per_host=args.nics_per_host,
     )
     workload = Workload(int(args.model_gb * 1e9), args.bucket_mb << 20,
                         int(args.largest_tensor_mb * 2**20), args.pipeline_depth)
     ranked = plan(cluster, workload, args.device, args.backends or None)
+    sharded = (sharded_plan(cluster, workload, args.device, args.replicated_fraction)
+               if args.sharded else None)
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(item.prediction),
-                           "engine_kwargs": item.engine_kwargs} for item in ranked], indent=2))
+        rows = [{**dataclasses.asdict(item.prediction), "engine_kwargs": item.engine_kwargs}
+                for item in ranked]
+        if sharded is not None:
+            rows.append({**dataclasses.asdict(sharded), "engine_kwargs": None})
+        print(json.dumps(rows, indent=2))
         return 0
     print(f"{workload.model_bytes / 1e9:g} GB from {cluster.actor_ranks} actor ranks on "
           f"{cluster.actor_hosts} host(s) to {cluster.replicas} replica(s) of "
@@ -169,6 +174,10 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
     best = ranked[0]
     print(f"recommended: {best.prediction.backend} ({best.prediction.option}), "
           f"bound by {best.prediction.bound}")
+    if sharded is not None:
+        print(f"sharded delivery (each rollout worker its shard from every actor rank; not in "
+              f"the engines yet): {sharded.seconds:.2f} s, bound by {sharded.bound}; "
+              f"{best.prediction.seconds / sharded.seconds:.1f}x faster than the recommended")
     return 0
 
 
@@ -260,6 +269,16 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--replicas", type=int, default=1)
     plan.add_argument("--workers-per-replica", type=int, default=1)
     plan.add_argument("--rollout-workers-per-host", type=int, default=1)
+    plan.add_argument("--nics-per-host", type=int, default=1,
+                      help="NICs of --nic-gbit on every host (GPU hosts: often one a GPU); "
+                      "each process uses one")
+    plan.add_argument("--sharded", action="store_true",
+                      help="also predict sharded delivery: each rollout worker receives only "
+                      "its shard (its replica's workers split the model), from every actor "
+                      "rank at once (not in the engines yet)")
+    plan.add_argument("--replicated-fraction", type=float, default=0.0,
+                      help="with --sharded: the fraction of the model every worker of a "
+                      "replica needs whole (norms, replicated KV heads)")
     plan.add_argument("--nic-gbit", type=float, default=100.0,
                       help="every host's NIC: payload rate, Gbit/s each direction")
     plan.add_argument("--nic-latency-us", type=float, default=10.0)

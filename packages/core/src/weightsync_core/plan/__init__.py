@@ -14,6 +14,7 @@ from weightsync_core.plan.planner import (
     RankedPrediction,
     plan,
     plan_table,
+    sharded_plan,
     topology_options,
 )
 from weightsync_core.plan.topologies import (
@@ -24,6 +25,7 @@ from weightsync_core.plan.topologies import (
     fan_out,
     pipeline,
     ring,
+    sharded_delivery,
     sharded_pull,
 )
 
@@ -58,6 +60,8 @@ __all__ = [
     "plan",
     "plan_table",
     "ring",
+    "sharded_delivery",
+    "sharded_plan",
     "sharded_pull",
     "topology_options",
 ]

@@ -41,8 +41,10 @@ class Cluster:
 
     Actor ranks fill ``actor_hosts`` hosts of ``actor_ranks_per_host``; rollout workers
     (``replicas`` x ``workers_per_replica``, replica by replica) fill hosts of their own,
-    ``rollout_workers_per_host`` each. Every host has one NIC of ``nic``; processes on one
-    host talk over ``intra_host`` (NVLink between GPUs; loopback between CPU processes).
+    ``rollout_workers_per_host`` each. Every host has ``nics_per_host`` NICs of ``nic``
+    (GPU hosts: often one a GPU), each process using one (the busiest processes of a host
+    share them evenly); processes on one host talk over ``intra_host`` (NVLink between
+    GPUs; loopback between CPU processes).
 
     ``shared_cpu_cores`` is for emulations only: every process of every host shares that
     many cores (the testbed), so per-bucket CPU work stretches when more processes than cores
@@ -61,10 +63,11 @@ class Cluster:
     workers_per_replica: int = 1
     rollout_workers_per_host: int = 1
     shared_cpu_cores: int | None = None
+    nics_per_host: int = 1
 
     def __post_init__(self) -> None:
         for name in ("actor_hosts", "actor_ranks_per_host", "replicas", "workers_per_replica",
-                     "rollout_workers_per_host"):
+                     "rollout_workers_per_host", "nics_per_host"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

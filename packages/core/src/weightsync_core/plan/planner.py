@@ -14,6 +14,7 @@ from weightsync_core.plan.topologies import (
     chained_broadcast,
     fan_out,
     ring,
+    sharded_delivery,
     sharded_pull,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "RankedPrediction",
     "plan",
     "plan_table",
+    "sharded_plan",
     "topology_options",
 ]
 
@@ -130,6 +132,20 @@ def plan(
             prediction = option.predict(cluster, workload, table.get(backend, EngineCosts()))
             ranked.append(RankedPrediction(prediction, option.engine_kwargs))
     return sorted(ranked, key=lambda item: item.prediction.seconds)
+
+
+def sharded_plan(cluster: Cluster, workload: Workload, device: str = "cpu",
+                 replicated_fraction: float = 0.0,
+                 costs: Mapping[str, EngineCosts] | None = None) -> Prediction:
+    """Sharded delivery on ``cluster`` (:func:`~.topologies.sharded_delivery`: each rollout
+    worker receives only its shard, from every actor rank at once), priced with nixl's
+    engine costs for ``device`` (the point-to-point engine to run it; ``costs`` overrides).
+    Not in the engines yet: what it would take, beside what they do."""
+    if device not in _DEVICE_BACKENDS:
+        raise ValueError(f"device must be one of {', '.join(_DEVICE_BACKENDS)}, got {device!r}")
+    table = dict(MEASURED_CPU_COSTS if device == "cpu" else ASSUMED_GPU_COSTS)
+    table.update(costs or {})
+    return sharded_delivery("nixl", cluster, workload, table["nixl"], replicated_fraction)
 
 
 def plan_table(ranked: list[RankedPrediction]) -> str:

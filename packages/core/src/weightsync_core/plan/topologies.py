@@ -33,6 +33,7 @@ __all__ = [
     "fan_out",
     "pipeline",
     "ring",
+    "sharded_delivery",
     "sharded_pull",
 ]
 
@@ -179,7 +180,9 @@ def chained_broadcast(
     group crosses every host boundary once, so a NIC carries one copy per group through it;
     ``senders`` groups (relays on actor host 0) put ``senders`` copies on its uplink. Every
     bucket is a collective of its own, and collectives on one communicator run one after
-    another, so every bucket pays the chain's fill (a chunk and a latency a hop)."""
+    another, so every bucket pays the chain's fill (a chunk and a latency a hop). NCCL
+    spreads each collective over all ``nics_per_host`` NICs of a host (the other topologies
+    send from one process a hop, over one NIC)."""
     size = workload.bucket_bytes
     up: Counter[str] = Counter()
     down: Counter[str] = Counter()
@@ -197,8 +200,11 @@ def chained_broadcast(
     # NCCL streams a bucket in chunks: the last chunk trails the first by a chunk a hop.
     chunk = min(NCCL_CHUNK_BYTES, size)
     wire = longest * cluster.nic.latency + (longest - 1) * chunk / cluster.nic.bandwidth
-    wire += nic_copies * size / cluster.nic.bandwidth  # the actor host is never a rollout host
-    name = f"NIC of the busiest host ({_copies(nic_copies)} a bucket)"
+    # the actor host is never a rollout host; NCCL spreads a collective over every NIC of a
+    # host (a channel a NIC)
+    wire += nic_copies * size / (cluster.nic.bandwidth * cluster.nics_per_host)
+    nics = f" over its {cluster.nics_per_host} NICs" if cluster.nics_per_host > 1 else ""
+    name = f"NIC of the busiest host ({_copies(nic_copies)} a bucket{nics})"
     if intra_hops:
         wire = max(wire, cluster.intra_host.seconds(size))
     contention = cluster.cpu_contention(cluster.rollout_workers + senders)
@@ -250,3 +256,36 @@ def sharded_pull(
     buckets = layout.actor_ranks * math.ceil(share / workload.bucket_bytes)
     option = f"pull + {'nccl' if relay == 'chained' else 'gloo'} relay"
     return pipeline(backend, option, stages, buckets, workload.pipeline_depth)
+
+
+def sharded_delivery(
+    backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts,
+    replicated_fraction: float = 0.0,
+) -> Prediction:
+    """Sharded delivery: every rollout worker receives only its own shard (its replica's
+    workers split the model evenly, as tensor or expert parallelism does, except
+    ``replicated_fraction`` of it that every worker needs whole: norms, replicated KV heads),
+    from every actor rank at once (each sends the rows it holds: an even share of all
+    the bytes). Every process uses a NIC of its host (``nics_per_host``: processes beyond
+    that share them), so the busiest NIC, at either end, sets the time: its bytes stream in
+    buckets of the workload's size, each paying the engine's per-bucket cost.
+    """
+    if not 0.0 <= replicated_fraction <= 1.0:
+        raise ValueError(f"replicated_fraction must be within [0, 1], got {replicated_fraction!r}")
+    layout = cluster.layout
+    workers = cluster.workers_per_replica
+    per_worker = workload.model_bytes * ((1 - replicated_fraction) / workers
+                                         + replicated_fraction)
+    total = per_worker * cluster.rollout_workers
+    per_rank = total / cluster.actor_ranks
+    uplink = per_rank * cluster.actor_ranks_per_host / min(cluster.actor_ranks_per_host,
+                                                           cluster.nics_per_host)
+    downlink = per_worker * cluster.rollout_workers_per_host / min(
+        cluster.rollout_workers_per_host, cluster.nics_per_host)
+    busiest, name = max((uplink, f"actor host NIC uplinks ({uplink / 1e9:.3g} GB each)"),
+                        (downlink, f"rollout host NIC downlinks ({downlink / 1e9:.3g} GB each)"))
+    buckets = max(1, math.ceil(busiest / workload.bucket_bytes))
+    size = busiest / buckets
+    contention = cluster.cpu_contention(layout.rollout_world_size + layout.actor_ranks)
+    stage = Stage(name, cluster.nic.seconds(size) + costs.bucket_seconds(size, contention))
+    return pipeline(backend, "sharded delivery", [stage], buckets, workload.pipeline_depth)
