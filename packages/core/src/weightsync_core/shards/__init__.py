@@ -3,6 +3,7 @@ needs, a box per checkpoint tensor) and the transfer plan built from them (see t
 README, "Layouts and transfer plans")."""
 
 from weightsync_core.shards.box import Box
+from weightsync_core.shards.exchange import PlanExchange, PointToPoint
 from weightsync_core.shards.layout import Layout, Shapes, fsdp_layout
 from weightsync_core.shards.tensor_parallel import DecoderShape, decoder_tensor_parallel_layout
 from weightsync_core.shards.transfers import Transfer, TransferPlan
@@ -11,6 +12,8 @@ __all__ = [
     "Box",
     "DecoderShape",
     "Layout",
+    "PlanExchange",
+    "PointToPoint",
     "Shapes",
     "Transfer",
     "TransferPlan",

@@ -1,0 +1,242 @@
+"""One process's part of a transfer plan, moved point to point over a gloo group: every
+actor rank sends the pieces of the rows it holds, every rollout worker receives exactly
+the boxes it declared, each piece checked against its sender's checksum."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+from torch.distributed.distributed_c10d import Work
+
+from weightsync_core.bucketing import as_bytes
+from weightsync_core.errors import TransferError, VerificationError
+from weightsync_core.shards.layout import Layout, Shapes
+from weightsync_core.shards.transfers import Transfer, TransferPlan
+from weightsync_core.verification import host_checksum
+
+__all__ = ["PlanExchange", "PointToPoint"]
+
+_IN_FLIGHT_BYTES = 256 << 20  # a sender waits for its sends once this much is posted
+
+
+class PointToPoint(Protocol):
+    """What the exchange calls on its group (a ``ProcessGroupGloo``)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> Work:
+        """Post a send of ``tensors[0]`` to group rank ``dst``."""
+        ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> Work:
+        """Post a receive into ``tensors[0]`` from group rank ``src``."""
+        ...
+
+    def allgather(self, output: list[list[torch.Tensor]], input: list[torch.Tensor], /
+                  ) -> Work:
+        """Post an all-gather."""
+        ...
+
+
+def _signed(checksum: int) -> int:
+    return checksum - 2**64 if checksum >= 2**63 else checksum
+
+
+class PlanExchange:
+    """Moves ``plan`` over ``group``, whose ranks are the actor ranks (``0 .. actor_ranks -
+    1``) then the rollout workers (rollout rank ``r`` is group rank ``actor_ranks + r``).
+
+    Every process builds the same plan (check with :meth:`agree`); an actor rank then calls
+    :meth:`send` with its shards, a rollout worker iterates :meth:`receive`. A piece larger
+    than ``chunk_bytes`` travels in chunks; each piece is followed by its checksum (xxh3),
+    which the receiver checks before the piece is placed.
+
+    Args:
+        group: the gloo group.
+        plan: the sync's plan.
+        shapes: every tensor's full shape, in stream order.
+        dtypes: every tensor's dtype (as it travels).
+        actor_ranks: actor ranks in the group.
+        chunk_bytes: the largest message.
+        timeout: seconds any wait may take before the exchange fails, naming the peer.
+    """
+
+    def __init__(self, group: PointToPoint, plan: TransferPlan, shapes: Shapes,
+                 dtypes: Mapping[str, torch.dtype], actor_ranks: int,
+                 chunk_bytes: int = 64 << 20, timeout: float = 300.0) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.group = group
+        self.plan = plan
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.actor_ranks = actor_ranks
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timedelta(seconds=timeout)
+        self._first_tag: list[int] = []
+        tag = 0
+        for transfer in plan.transfers:  # every process numbers the messages alike
+            self._first_tag.append(tag)
+            tag += self._chunks(transfer) + 1
+
+    def agree(self, rank_in_group: int, group_size: int) -> None:
+        """Check that every process of the group holds this plan (a collective: all call it).
+
+        Raises:
+            TransferError: naming the processes whose plan differs.
+        """
+        mine = torch.frombuffer(bytearray(bytes.fromhex(self.plan.digest)), dtype=torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(group_size)]
+        self._wait(self.group.allgather([everyone], [mine]), "every process", "agreeing")
+        differ = [self._name(rank) for rank, digest in enumerate(everyone)
+                  if not torch.equal(digest, mine)]
+        if differ:
+            raise TransferError(
+                f"{self._name(rank_in_group)}: the transfer plan of {', '.join(differ)} "
+                "differs from this one (another membership or layout); nothing was sent",
+                stage="agreeing")
+
+    def send(self, rank: int, held: Layout, shards: Iterable[tuple[str, torch.Tensor]]
+             ) -> int:
+        """Send actor rank ``rank``'s pieces from ``shards`` (``(name, the piece of that
+        tensor its layout holds)``, in stream order); returns the bytes sent.
+
+        Raises:
+            ValueError: before anything is sent, where the plan has this rank send rows
+                its layout does not hold; later, a shard missing, out of order or not of
+                its layout's shape and dtype.
+            TransferError: a receiver failed or a send ran past the timeout (naming it).
+        """
+        mine = self._by_name(self._indexed(lambda t: t.sender == rank))
+        for name, transfers in mine.items():
+            box = held.boxes.get(name)
+            for _, transfer in transfers:
+                if box is None or transfer.box.intersection(box) != transfer.box:
+                    raise ValueError(f"actor rank {rank}: the plan sends {transfer.box} of "
+                                     f"tensor {name!r}, but its layout holds "
+                                     f"{box if box is not None else 'none of it'}")
+        pending: list[tuple[Work, Transfer]] = []
+        in_flight = sent = 0
+        remaining = [name for name in self.shapes if name in held.boxes]
+        for name, shard in shards:
+            if not remaining or name != remaining[0]:
+                raise ValueError(f"actor rank {rank}: its weights yielded tensor {name!r} where "
+                                 f"its layout expects {remaining[0] if remaining else 'none'}")
+            remaining.pop(0)
+            box = held.boxes[name]
+            if tuple(shard.shape) != box.shape or shard.dtype != self.dtypes[name]:
+                raise ValueError(f"actor rank {rank}: tensor {name!r} is {list(shard.shape)} "
+                                 f"{shard.dtype}; its layout holds {box} of "
+                                 f"{self.dtypes[name]}")
+            for index, transfer in mine.get(name, []):
+                data = as_bytes(transfer.box.within(box).cut(shard))
+                peer = self.actor_ranks + transfer.receiver
+                tag = self._first_tag[index]
+                for start in range(0, max(data.numel(), 1), self.chunk_bytes):
+                    chunk = data[start:start + self.chunk_bytes]
+                    pending.append((self.group.send([chunk], peer, tag), transfer))
+                    tag += 1
+                checksum = torch.tensor([_signed(host_checksum(data))], dtype=torch.long)
+                pending.append((self.group.send([checksum], peer, tag), transfer))
+                in_flight += data.numel()
+                sent += data.numel()
+            if in_flight >= _IN_FLIGHT_BYTES:
+                self._drain(pending, "sending")
+                in_flight = 0
+        if remaining:
+            raise ValueError(f"actor rank {rank}: its weights ended before tensor "
+                             f"{remaining[0]!r}, which its layout holds")
+        self._drain(pending, "sending")
+        return sent
+
+    def receive(self, rank: int, needed: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rollout rank ``rank``'s boxes, tensor by tensor in stream order: ``(name, the
+        box of that tensor its layout needs)``, each piece checked.
+
+        Raises:
+            ValueError: before anything is received, where the plan does not deliver
+                exactly the boxes ``needed`` declares.
+            VerificationError: a piece whose bytes differ from its sender's checksum.
+            TransferError: a sender failed or a wait ran past the timeout (naming it).
+        """
+        mine = self._by_name(self._indexed(lambda t: t.receiver == rank))
+        self._check_delivers(rank, needed, mine)
+        for name in self.shapes:
+            want = needed.boxes.get(name)
+            if want is None:
+                continue
+            out = torch.empty(want.shape, dtype=self.dtypes[name])
+            for index, transfer in mine.get(name, []):
+                piece = self._receive_piece(index, transfer)
+                transfer.box.within(want).cut(out).copy_(
+                    piece.view(self.dtypes[name]).reshape(transfer.box.shape))
+            yield name, out
+
+    def _receive_piece(self, index: int, transfer: Transfer) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
+        data = torch.empty(transfer.box.numel * itemsize, dtype=torch.uint8)
+        tag = self._first_tag[index]
+        works = []
+        for start in range(0, max(data.numel(), 1), self.chunk_bytes):
+            works.append(self.group.recv([data[start:start + self.chunk_bytes]],
+                                         transfer.sender, tag))
+            tag += 1
+        checksum = torch.empty(1, dtype=torch.long)
+        works.append(self.group.recv([checksum], transfer.sender, tag))
+        for work in works:
+            self._wait(work, f"actor rank {transfer.sender}", "receiving")
+        if _signed(host_checksum(data)) != int(checksum):
+            raise VerificationError(
+                f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
+                f"{transfer.name!r} from actor rank {transfer.sender} differs from its "
+                "sender's checksum", tensors=[transfer.name],
+                source=f"actor rank {transfer.sender}")
+        return data
+
+    def _check_delivers(self, rank: int, needed: Layout,
+                        mine: Mapping[str, list[tuple[int, Transfer]]]) -> None:
+        for name in set(needed.boxes) | set(mine):
+            want = needed.boxes.get(name)
+            pieces = [transfer.box for _, transfer in mine.get(name, [])]
+            inside = want is not None and all(
+                box.intersection(want) == box for box in pieces)
+            if not inside or sum(box.numel for box in pieces) != (want.numel if want else 0):
+                raise ValueError(
+                    f"rollout rank {rank}: the plan delivers {[str(box) for box in pieces]} "
+                    f"of tensor {name!r}, but its layout needs "
+                    f"{want if want is not None else 'none of it'}; nothing was received")
+
+    def _indexed(self, keep: Callable[[Transfer], bool]) -> list[tuple[int, Transfer]]:
+        return [(index, transfer) for index, transfer in enumerate(self.plan.transfers)
+                if keep(transfer)]
+
+    @staticmethod
+    def _by_name(items: list[tuple[int, Transfer]]) -> dict[str, list[tuple[int, Transfer]]]:
+        grouped: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+        for index, transfer in items:
+            grouped[transfer.name].append((index, transfer))
+        return dict(grouped)
+
+    def _chunks(self, transfer: Transfer) -> int:
+        itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
+        return max(1, -(-transfer.box.numel * itemsize // self.chunk_bytes))
+
+    def _drain(self, pending: list[tuple[Work, Transfer]], stage: str) -> None:
+        for work, transfer in pending:
+            self._wait(work, f"rollout rank {transfer.receiver}", stage)
+        pending.clear()
+
+    def _wait(self, work: Work, peer: str, stage: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise TransferError(f"{stage} failed with {peer}: {exc}", peer=peer,
+                                stage=stage) from None
+
+    def _name(self, group_rank: int) -> str:
+        if group_rank < self.actor_ranks:
+            return f"actor rank {group_rank}"
+        return f"rollout rank {group_rank - self.actor_ranks}"
+

@@ -1,0 +1,229 @@
+"""A transfer plan moved over a real gloo group of forked processes (2 FSDP actor ranks, 2
+replicas of TP=2 and one of TP=1): bit-exact boxes on every worker over several syncs, and
+the failures named: a sender killed mid-sync, a lying sender, a plan that differs."""
+
+import multiprocessing
+import os
+import secrets
+import traceback
+
+import pytest
+import torch
+
+from weightsync_core.errors import TransferError, VerificationError
+from weightsync_core.process_group import (
+    create_store,
+    listen_on_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.shards import (
+    DecoderShape,
+    Layout,
+    PlanExchange,
+    TransferPlan,
+    decoder_tensor_parallel_layout,
+    fsdp_layout,
+)
+
+MODEL = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=48)
+SHAPES = {
+    "model.embed_tokens.weight": (100, 32),  # larger than a chunk; 100 rows split 50/50
+    "model.layers.0.self_attn.q_proj.weight": (32, 32),
+    "model.layers.0.self_attn.k_proj.weight": (16, 32),
+    "model.layers.0.self_attn.v_proj.bias": (16,),
+    "model.layers.0.self_attn.o_proj.weight": (32, 32),
+    "model.layers.0.mlp.gate_proj.weight": (48, 32),
+    "model.layers.0.mlp.down_proj.weight": (32, 48),
+    "model.norm.weight": (31,),  # odd rows: 16 and 15
+    "lm_head.weight": (100, 32),
+}
+DTYPES = {name: torch.bfloat16 for name in SHAPES}
+ACTORS = 2
+HELD = [fsdp_layout(SHAPES, ACTORS, rank) for rank in range(ACTORS)]
+TP2 = [decoder_tensor_parallel_layout(SHAPES, MODEL, 2, rank) for rank in range(2)]
+NEEDED = [*TP2, *TP2, Layout.whole(SHAPES)]
+CHUNK = 1024  # bytes: the embedding's pieces travel in several chunks
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {name: torch.randn(shape, generator=generator).to(torch.bfloat16)
+            for name, shape in SHAPES.items()}
+
+
+def _exchange(group, needed=NEEDED, timeout=20.0) -> PlanExchange:
+    plan = TransferPlan.build(SHAPES, HELD, needed)
+    return PlanExchange(group, plan, SHAPES, DTYPES, ACTORS, chunk_bytes=CHUNK,
+                        timeout=timeout)
+
+
+def _shards(rank: int, step: int):
+    full = _weights(step)
+    return [(name, box.cut(full[name])) for name, box in HELD[rank].boxes.items()]
+
+
+def _three_syncs(rank: int, group, results) -> None:
+    exchange = _exchange(group)
+    exchange.agree(rank, ACTORS + len(NEEDED))
+    received = 0
+    for step in range(3):
+        if rank < ACTORS:
+            exchange.send(rank, HELD[rank], _shards(rank, step))
+            continue
+        worker = rank - ACTORS
+        full = _weights(step)
+        for name, piece in exchange.receive(worker, NEEDED[worker]):
+            assert torch.equal(piece, NEEDED[worker].boxes[name].cut(full[name])), (step, name)
+            received += piece.numel() * piece.element_size()
+    results.put((rank, {"received": received // 3}))
+
+
+def _killed_sender(rank: int, group, results) -> None:
+    exchange = _exchange(group, timeout=30.0)
+    exchange.agree(rank, ACTORS + len(NEEDED))
+    if rank == 1:
+        os._exit(0)  # actor rank 1 dies before sending
+    try:
+        if rank == 0:
+            exchange.send(rank, HELD[rank], _shards(rank, 0))
+        else:
+            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+        results.put((rank, {"error": None}))
+    except TransferError as exc:
+        results.put((rank, {"error": str(exc), "peer": exc.peer}))
+
+
+class _LyingGroup:
+    """Actor rank 0's group, flipping a bit of the first piece of lm_head it sends."""
+
+    def __init__(self, group, first_tag: int):
+        self.group, self.first_tag = group, first_tag
+
+    def send(self, tensors, dst, tag):
+        if tag == self.first_tag:
+            tensors = [tensors[0].clone()]
+            tensors[0][0] ^= 1
+        return self.group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        return self.group.recv(tensors, src, tag)
+
+    def allgather(self, output, tensors):
+        return self.group.allgather(output, tensors)
+
+
+def _lying_sender(rank: int, group, results) -> None:
+    exchange = _exchange(group)
+    index = next(i for i, t in enumerate(exchange.plan.transfers)
+                 if t.name == "lm_head.weight" and t.sender == 0 and t.receiver == 4)
+    if rank < ACTORS:
+        if rank == 0:
+            exchange.group = _LyingGroup(group, exchange._first_tag[index])
+        try:  # the worker that caught the lie stops receiving: a send to it may fail
+            exchange.send(rank, HELD[rank], _shards(rank, 0))
+        except TransferError as exc:
+            assert exc.peer == "rollout rank 4", exc
+    else:
+        try:
+            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+        except VerificationError as exc:
+            results.put((rank, {"error": str(exc), "source": exc.source}))
+            return
+    results.put((rank, {"error": None}))
+
+
+def _other_plan(rank: int, group, results) -> None:
+    # rollout rank 4 thinks it is a TP=2 worker: its plan differs from everyone else's
+    needed = [*NEEDED[:4], TP2[0]] if rank == ACTORS + 4 else NEEDED
+    try:
+        _exchange(group, needed).agree(rank, ACTORS + len(NEEDED))
+        results.put((rank, {"error": None}))
+    except TransferError as exc:
+        results.put((rank, {"error": str(exc)}))
+
+
+def _process(body, rank: int, size: int, port: int, listener, key: bytes, results) -> None:
+    try:
+        if rank != 0:
+            listener.close()
+        store = create_store("127.0.0.1", port, rank, size, 30.0, "shards", key,
+                             listener if rank == 0 else None)
+        rendezvous(store, rank, size, 30.0)
+        group = new_gloo_group(store.store, rank, size, 30.0, "127.0.0.1")
+        body(rank, group, results)
+    except BaseException:  # reported to the test, which fails on it
+        results.put((rank, {"failed": traceback.format_exc()}))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)  # no atexit: the store server of rank 0 may still serve the others
+
+
+def _run(body) -> dict[int, dict]:
+    size = ACTORS + len(NEEDED)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    listener = listen_on_free_port("127.0.0.1")
+    port = listener.getsockname()[1]
+    key = secrets.token_bytes(32)
+    processes = [context.Process(target=_process,
+                                 args=(body, rank, size, port, listener, key, results))
+                 for rank in range(size)]
+    for process in processes:
+        process.start()
+    listener.close()
+    reports: dict[int, dict] = {}
+    try:
+        while len(reports) < size - (body is _killed_sender):
+            rank, report = results.get(timeout=120)
+            reports[rank] = report
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    failed = {rank: report["failed"] for rank, report in reports.items() if "failed" in report}
+    assert not failed, failed
+    return reports
+
+
+def test_fsdp_ranks_deliver_every_workers_boxes_bit_exact_over_three_syncs():
+    reports = _run(_three_syncs)
+    model = sum(torch.Size(shape).numel() for shape in SHAPES.values()) * 2
+    per_worker = [reports[ACTORS + worker]["received"] for worker in range(len(NEEDED))]
+    assert per_worker[4] == model  # the TP=1 worker: everything
+    # each TP=2 worker: about half (norms whole, 64 of the 100 vocabulary rows on rank 0)
+    assert all(0.4 * model < size < 0.6 * model for size in per_worker[:4]), per_worker
+
+
+def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():
+    reports = _run(_killed_sender)
+    for worker in range(len(NEEDED)):
+        report = reports[ACTORS + worker]
+        assert report["error"] is not None, f"rollout rank {worker} did not fail"
+        assert report["peer"] == "actor rank 1", report
+
+
+def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named():
+    reports = _run(_lying_sender)
+    assert reports[ACTORS + 4]["source"] == "actor rank 0"
+    assert "the piece [0:50, 0:32] of tensor 'lm_head.weight' from actor rank 0 differs " \
+        "from its sender's checksum" in reports[ACTORS + 4]["error"]
+    assert all(reports[ACTORS + worker]["error"] is None for worker in range(4))
+
+
+def test_processes_whose_plans_differ_refuse_before_any_byte_moves():
+    reports = _run(_other_plan)
+    for rank, report in reports.items():
+        assert "the transfer plan of rollout rank 4 differs" in report["error"] or (
+            rank == ACTORS + 4 and "differs from this one" in report["error"]), (rank, report)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
