@@ -25,6 +25,8 @@ from weightsync_core.shards import (
     decoder_tensor_parallel_layout,
     fsdp_layout,
 )
+from weightsync_core.verification import host_checksum
+from weightsync_core.wire import MessageSealer
 
 MODEL = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      intermediate_size=48)
@@ -53,10 +55,13 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
             for name, shape in SHAPES.items()}
 
 
+KEY = secrets.token_bytes(32)  # the sync's key, as the manager hands it to every process
+
+
 def _exchange(group, needed=NEEDED, timeout=20.0) -> PlanExchange:
     plan = TransferPlan.build(SHAPES, HELD, needed)
-    return PlanExchange(group, plan, SHAPES, DTYPES, ACTORS, chunk_bytes=CHUNK,
-                        timeout=timeout)
+    return PlanExchange(group, plan, SHAPES, DTYPES, ACTORS, MessageSealer(KEY),
+                        chunk_bytes=CHUNK, timeout=timeout)
 
 
 def _shards(rank: int, step: int):
@@ -96,15 +101,23 @@ def _killed_sender(rank: int, group, results) -> None:
 
 
 class _LyingGroup:
-    """Actor rank 0's group, flipping a bit of the first piece of lm_head it sends."""
+    """Actor rank 0's group, flipping a bit of the first chunk of a piece it sends; with
+    ``forger``, also replacing the piece's checksum by one of the flipped bytes sealed
+    under another key (as an outsider who raced the gloo connection would)."""
 
-    def __init__(self, group, first_tag: int):
-        self.group, self.first_tag = group, first_tag
+    def __init__(self, group, first_tag: int, forger: PlanExchange | None = None):
+        self.group, self.first_tag, self.forger = group, first_tag, forger
+        self.flipped = None
 
     def send(self, tensors, dst, tag):
         if tag == self.first_tag:
             tensors = [tensors[0].clone()]
             tensors[0][0] ^= 1
+            self.flipped = tensors[0]
+        elif self.forger is not None and self.flipped is not None and tensors[0].numel() < 100:
+            frame = self.forger.sealed_checksum(self.index, host_checksum(self.flipped))
+            tensors = [torch.frombuffer(bytearray(frame), dtype=torch.uint8)]
+            self.flipped = None
         return self.group.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
@@ -114,13 +127,18 @@ class _LyingGroup:
         return self.group.allgather(output, tensors)
 
 
-def _lying_sender(rank: int, group, results) -> None:
+def _lying_sender(rank: int, group, results, forge: bool = False) -> None:
     exchange = _exchange(group)
     index = next(i for i, t in enumerate(exchange.plan.transfers)
-                 if t.name == "lm_head.weight" and t.sender == 0 and t.receiver == 4)
+                 if t.name == "model.norm.weight" and t.sender == 0 and t.receiver == 4)
     if rank < ACTORS:
         if rank == 0:
-            exchange.group = _LyingGroup(group, exchange._first_tag[index])
+            forger = None
+            if forge:
+                forger = _exchange(group)
+                forger.sealer = MessageSealer(secrets.token_bytes(32))
+            exchange.group = _LyingGroup(group, exchange.first_tag(index), forger)
+            exchange.group.index = index
         try:  # the worker that caught the lie stops receiving: a send to it may fail
             exchange.send(rank, HELD[rank], _shards(rank, 0))
         except TransferError as exc:
@@ -132,6 +150,10 @@ def _lying_sender(rank: int, group, results) -> None:
             results.put((rank, {"error": str(exc), "source": exc.source}))
             return
     results.put((rank, {"error": None}))
+
+
+def _forging_sender(rank: int, group, results) -> None:
+    _lying_sender(rank, group, results, forge=True)
 
 
 def _other_plan(rank: int, group, results) -> None:
@@ -209,9 +231,16 @@ def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():
 def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named():
     reports = _run(_lying_sender)
     assert reports[ACTORS + 4]["source"] == "actor rank 0"
-    assert "the piece [0:50, 0:32] of tensor 'lm_head.weight' from actor rank 0 differs " \
-        "from its sender's checksum" in reports[ACTORS + 4]["error"]
-    assert all(reports[ACTORS + worker]["error"] is None for worker in range(4))
+    assert "the piece [0:16] of tensor 'model.norm.weight' from actor rank 0 is corrupt: it " \
+        "differs from its sender's checksum" in reports[ACTORS + 4]["error"]
+
+
+def test_a_checksum_not_sealed_under_the_syncs_key_is_refused():
+    """Other bytes with a matching checksum, sealed under another key (an outsider who
+    raced a gloo connection): refused, never loaded."""
+    reports = _run(_forging_sender)
+    assert "the piece [0:16] of tensor 'model.norm.weight' from actor rank 0 came with a " \
+        "checksum not sealed under this sync's key" in reports[ACTORS + 4]["error"]
 
 
 def test_processes_whose_plans_differ_refuse_before_any_byte_moves():

@@ -1,6 +1,6 @@
-"""Sharded delivery's data: layouts (what each actor rank holds and each rollout worker
-needs, a box per checkpoint tensor) and the transfer plan built from them (see the core
-README, "Layouts and transfer plans")."""
+"""Sharded delivery: layouts (what each actor rank holds and each rollout worker needs, a
+box per checkpoint tensor), the transfer plan built from them, and its exchange over a gloo
+group (see the core README, "Sharded delivery")."""
 
 from weightsync_core.shards.box import Box
 from weightsync_core.shards.exchange import PlanExchange, PointToPoint

@@ -1,9 +1,12 @@
 """One process's part of a transfer plan, moved point to point over a gloo group: every
 actor rank sends the pieces of the rows it holds, every rollout worker receives exactly
-the boxes it declared, each piece checked against its sender's checksum."""
+the boxes it declared, each piece checked against its sender's checksum, which travels
+sealed under the sync's key (a peer that races a gloo connection can make the sync fail,
+never succeed with other bytes)."""
 
 from __future__ import annotations
 
+import struct
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
@@ -13,14 +16,20 @@ import torch
 from torch.distributed.distributed_c10d import Work
 
 from weightsync_core.bucketing import as_bytes
-from weightsync_core.errors import TransferError, VerificationError
+from weightsync_core.errors import (
+    TransferError,
+    UnauthenticatedMessageError,
+    VerificationError,
+)
 from weightsync_core.shards.layout import Layout, Shapes
 from weightsync_core.shards.transfers import Transfer, TransferPlan
 from weightsync_core.verification import host_checksum
+from weightsync_core.wire import MessageSealer
 
-__all__ = ["PlanExchange", "PointToPoint"]
+__all__ = ["PlanExchange", "PlanSender", "PointToPoint"]
 
 _IN_FLIGHT_BYTES = 256 << 20  # a sender waits for its sends once this much is posted
+_CHECKSUM = struct.Struct("<16sQQ")  # the plan's digest, the transfer's index, its xxh3
 
 
 class PointToPoint(Protocol):
@@ -40,18 +49,15 @@ class PointToPoint(Protocol):
         ...
 
 
-def _signed(checksum: int) -> int:
-    return checksum - 2**64 if checksum >= 2**63 else checksum
-
-
 class PlanExchange:
     """Moves ``plan`` over ``group``, whose ranks are the actor ranks (``0 .. actor_ranks -
     1``) then the rollout workers (rollout rank ``r`` is group rank ``actor_ranks + r``).
 
     Every process builds the same plan (check with :meth:`agree`); an actor rank then calls
     :meth:`send` with its shards, a rollout worker iterates :meth:`receive`. A piece larger
-    than ``chunk_bytes`` travels in chunks; each piece is followed by its checksum (xxh3),
-    which the receiver checks before the piece is placed.
+    than ``chunk_bytes`` travels in chunks; each piece is followed by its checksum (xxh3,
+    with the plan's digest and the piece's index, sealed by ``sealer``), which the receiver
+    opens and checks before the piece is placed.
 
     Args:
         group: the gloo group.
@@ -59,13 +65,16 @@ class PlanExchange:
         shapes: every tensor's full shape, in stream order.
         dtypes: every tensor's dtype (as it travels).
         actor_ranks: actor ranks in the group.
+        sealer: seals the checksums under the sync's key.
         chunk_bytes: the largest message.
+        checksum: the checksum of a piece's bytes (an engine's ``bucket_checksum``).
         timeout: seconds any wait may take before the exchange fails, naming the peer.
     """
 
     def __init__(self, group: PointToPoint, plan: TransferPlan, shapes: Shapes,
-                 dtypes: Mapping[str, torch.dtype], actor_ranks: int,
-                 chunk_bytes: int = 64 << 20, timeout: float = 300.0) -> None:
+                 dtypes: Mapping[str, torch.dtype], actor_ranks: int, sealer: MessageSealer,
+                 chunk_bytes: int = 64 << 20, timeout: float = 300.0,
+                 checksum: Callable[[torch.Tensor], int] = host_checksum) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.group = group
@@ -73,7 +82,9 @@ class PlanExchange:
         self.shapes = shapes
         self.dtypes = dtypes
         self.actor_ranks = actor_ranks
+        self.sealer = sealer
         self.chunk_bytes = chunk_bytes
+        self.checksum = checksum
         self.timeout = timedelta(seconds=timeout)
         self._first_tag: list[int] = []
         tag = 0
@@ -101,13 +112,19 @@ class PlanExchange:
     def send(self, rank: int, held: Layout, shards: Iterable[tuple[str, torch.Tensor]]
              ) -> int:
         """Send actor rank ``rank``'s pieces from ``shards`` (``(name, the piece of that
-        tensor its layout holds)``, in stream order); returns the bytes sent.
+        tensor its layout holds)``, in stream order); returns the bytes sent. See
+        :meth:`sender` for the errors."""
+        sending = self.sender(rank, held)
+        for name, shard in shards:
+            sending.put(name, shard)
+        return sending.finish()
+
+    def sender(self, rank: int, held: Layout) -> PlanSender:
+        """Actor rank ``rank``'s sending, one shard at a time (:class:`PlanSender`).
 
         Raises:
-            ValueError: before anything is sent, where the plan has this rank send rows
-                its layout does not hold; later, a shard missing, out of order or not of
-                its layout's shape and dtype.
-            TransferError: a receiver failed or a send ran past the timeout (naming it).
+            ValueError: the plan has this rank send rows its layout does not hold (before
+                anything is sent).
         """
         mine = self._by_name(self._indexed(lambda t: t.sender == rank))
         for name, transfers in mine.items():
@@ -117,39 +134,7 @@ class PlanExchange:
                     raise ValueError(f"actor rank {rank}: the plan sends {transfer.box} of "
                                      f"tensor {name!r}, but its layout holds "
                                      f"{box if box is not None else 'none of it'}")
-        pending: list[tuple[Work, Transfer]] = []
-        in_flight = sent = 0
-        remaining = [name for name in self.shapes if name in held.boxes]
-        for name, shard in shards:
-            if not remaining or name != remaining[0]:
-                raise ValueError(f"actor rank {rank}: its weights yielded tensor {name!r} where "
-                                 f"its layout expects {remaining[0] if remaining else 'none'}")
-            remaining.pop(0)
-            box = held.boxes[name]
-            if tuple(shard.shape) != box.shape or shard.dtype != self.dtypes[name]:
-                raise ValueError(f"actor rank {rank}: tensor {name!r} is {list(shard.shape)} "
-                                 f"{shard.dtype}; its layout holds {box} of "
-                                 f"{self.dtypes[name]}")
-            for index, transfer in mine.get(name, []):
-                data = as_bytes(transfer.box.within(box).cut(shard))
-                peer = self.actor_ranks + transfer.receiver
-                tag = self._first_tag[index]
-                for start in range(0, max(data.numel(), 1), self.chunk_bytes):
-                    chunk = data[start:start + self.chunk_bytes]
-                    pending.append((self.group.send([chunk], peer, tag), transfer))
-                    tag += 1
-                checksum = torch.tensor([_signed(host_checksum(data))], dtype=torch.long)
-                pending.append((self.group.send([checksum], peer, tag), transfer))
-                in_flight += data.numel()
-                sent += data.numel()
-            if in_flight >= _IN_FLIGHT_BYTES:
-                self._drain(pending, "sending")
-                in_flight = 0
-        if remaining:
-            raise ValueError(f"actor rank {rank}: its weights ended before tensor "
-                             f"{remaining[0]!r}, which its layout holds")
-        self._drain(pending, "sending")
-        return sent
+        return PlanSender(self, rank, held, mine)
 
     def receive(self, rank: int, needed: Layout) -> Iterator[tuple[str, torch.Tensor]]:
         """Rollout rank ``rank``'s boxes, tensor by tensor in stream order: ``(name, the
@@ -177,22 +162,28 @@ class PlanExchange:
     def _receive_piece(self, index: int, transfer: Transfer) -> torch.Tensor:
         itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
         data = torch.empty(transfer.box.numel * itemsize, dtype=torch.uint8)
-        tag = self._first_tag[index]
+        tag = self.first_tag(index)
         works = []
         for start in range(0, max(data.numel(), 1), self.chunk_bytes):
             works.append(self.group.recv([data[start:start + self.chunk_bytes]],
                                          transfer.sender, tag))
             tag += 1
-        checksum = torch.empty(1, dtype=torch.long)
-        works.append(self.group.recv([checksum], transfer.sender, tag))
+        frame = torch.empty(len(self.sealed_checksum(0, 0)), dtype=torch.uint8)
+        works.append(self.group.recv([frame], transfer.sender, tag))
         for work in works:
             self._wait(work, f"actor rank {transfer.sender}", "receiving")
-        if _signed(host_checksum(data)) != int(checksum):
-            raise VerificationError(
-                f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
-                f"{transfer.name!r} from actor rank {transfer.sender} differs from its "
-                "sender's checksum", tensors=[transfer.name],
-                source=f"actor rank {transfer.sender}")
+        where = (f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
+                 f"{transfer.name!r} from actor rank {transfer.sender}")
+        try:
+            plan, piece, checksum = _CHECKSUM.unpack(self.sealer.open(frame.numpy().tobytes()))
+        except UnauthenticatedMessageError:
+            raise VerificationError(f"{where} came with a checksum not sealed under this "
+                                    "sync's key", tensors=[transfer.name],
+                                    source=f"actor rank {transfer.sender}") from None
+        if plan.hex() != self.plan.digest or piece != index or self.checksum(data) != checksum:
+            raise VerificationError(f"{where} is corrupt: it differs from its sender's checksum",
+                                    tensors=[transfer.name],
+                                    source=f"actor rank {transfer.sender}")
         return data
 
     def _check_delivers(self, rank: int, needed: Layout,
@@ -223,7 +214,17 @@ class PlanExchange:
         itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
         return max(1, -(-transfer.box.numel * itemsize // self.chunk_bytes))
 
-    def _drain(self, pending: list[tuple[Work, Transfer]], stage: str) -> None:
+    def sealed_checksum(self, index: int, checksum: int) -> bytes:
+        """The frame announcing the plan's ``index``-th piece's ``checksum``."""
+        return self.sealer.seal(_CHECKSUM.pack(bytes.fromhex(self.plan.digest), index,
+                                               checksum))
+
+    def first_tag(self, index: int) -> int:
+        """The tag of the first message of the plan's ``index``-th transfer."""
+        return self._first_tag[index]
+
+    def drain(self, pending: list[tuple[Work, Transfer]], stage: str) -> None:
+        """Wait for ``pending`` sends (then empties it), naming a receiver that failed."""
         for work, transfer in pending:
             self._wait(work, f"rollout rank {transfer.receiver}", stage)
         pending.clear()
@@ -240,3 +241,68 @@ class PlanExchange:
             return f"actor rank {group_rank}"
         return f"rollout rank {group_rank - self.actor_ranks}"
 
+
+
+class PlanSender:
+    """One actor rank's sends of one sync: :meth:`put` each shard in stream order, then
+    :meth:`finish`. Made by :meth:`PlanExchange.sender`."""
+
+    def __init__(self, exchange: PlanExchange, rank: int, held: Layout,
+                 mine: Mapping[str, list[tuple[int, Transfer]]]) -> None:
+        self.exchange = exchange
+        self.rank = rank
+        self.held = held
+        self.mine = mine
+        self.remaining = [name for name in exchange.shapes if name in held.boxes]
+        self.pending: list[tuple[Work, Transfer]] = []
+        self.in_flight = 0
+        self.sent = 0
+        self.messages = 0
+        """Data messages (chunks) posted."""
+
+    def put(self, name: str, shard: torch.Tensor) -> None:
+        """Send the pieces of ``shard`` (this rank's box of tensor ``name``).
+
+        Raises:
+            ValueError: a shard out of order or not of its layout's shape and dtype.
+            TransferError: a receiver failed or a send ran past the timeout (naming it).
+        """
+        exchange, rank = self.exchange, self.rank
+        if not self.remaining or name != self.remaining[0]:
+            raise ValueError(f"actor rank {rank}: its weights yielded tensor {name!r} where its "
+                             f"layout expects {self.remaining[0] if self.remaining else 'none'}")
+        self.remaining.pop(0)
+        box = self.held.boxes[name]
+        if tuple(shard.shape) != box.shape or shard.dtype != exchange.dtypes[name]:
+            raise ValueError(f"actor rank {rank}: tensor {name!r} is {list(shard.shape)} "
+                             f"{shard.dtype}; its layout holds {box} of {exchange.dtypes[name]}")
+        for index, transfer in self.mine.get(name, []):
+            data = as_bytes(transfer.box.within(box).cut(shard))
+            peer = exchange.actor_ranks + transfer.receiver
+            tag = exchange.first_tag(index)
+            for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
+                chunk = data[start:start + exchange.chunk_bytes]
+                self.pending.append((exchange.group.send([chunk], peer, tag), transfer))
+                tag += 1
+                self.messages += 1
+            frame = exchange.sealed_checksum(index, exchange.checksum(data))
+            checksum = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+            self.pending.append((exchange.group.send([checksum], peer, tag), transfer))
+            self.in_flight += data.numel()
+            self.sent += data.numel()
+        if self.in_flight >= _IN_FLIGHT_BYTES:
+            exchange.drain(self.pending, "sending")
+            self.in_flight = 0
+
+    def finish(self) -> int:
+        """Wait for every send; returns the bytes sent.
+
+        Raises:
+            ValueError: the weights ended before a tensor this rank's layout holds.
+            TransferError: a receiver failed or a send ran past the timeout (naming it).
+        """
+        if self.remaining:
+            raise ValueError(f"actor rank {self.rank}: its weights ended before tensor "
+                             f"{self.remaining[0]!r}, which its layout holds")
+        self.exchange.drain(self.pending, "sending")
+        return self.sent

@@ -76,6 +76,31 @@ class TransferPlan:
                     )
         return cls(tuple(transfers))
 
+    def as_data(self) -> list[list[object]]:
+        """The plan as plain data (lists of names, ranks and ranges) to hand to processes."""
+        return [[t.name, t.sender, t.receiver, [list(r) for r in t.box.ranges]]
+                for t in self.transfers]
+
+    @classmethod
+    def from_data(cls, data: Sequence[Sequence[object]]) -> TransferPlan:
+        """The plan of :meth:`as_data`.
+
+        Raises:
+            ValueError: data that is not such a plan.
+        """
+        transfers = []
+        for row in data:
+            try:
+                name, sender, receiver, ranges = row
+                box = Box(tuple((int(start), int(stop)) for start, stop in ranges))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"not a transfer plan's row: {row!r} ({exc})") from None
+            if not isinstance(name, str) or not isinstance(sender, int) or not isinstance(
+                    receiver, int):
+                raise ValueError(f"not a transfer plan's row: {row!r}")
+            transfers.append(Transfer(name, sender, receiver, box))
+        return cls(tuple(transfers))
+
     @cached_property
     def digest(self) -> str:
         """A digest of the whole plan: processes that compare theirs find a mismatch of
