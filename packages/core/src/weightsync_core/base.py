@@ -132,6 +132,12 @@ class CheckpointEngine(ABC):
     that through :attr:`share_encoder` (so each rank diffs, and keeps a copy of, its share
     only)."""
 
+    executes_layouts: ClassVar[bool] = False
+    """True for engines that deliver each rollout worker only the boxes its layout needs
+    (sharded delivery: ``gloo_sharded``). The workers hand them each process's layout
+    through ``declare_layout(layout, weights)`` before :meth:`prepare`, and actor ranks that
+    declare one send the pieces they hold (``iter_weight_shards``)."""
+
     share_encoder: ShareEncoder | None = None
     """Set by the worker before :meth:`send_weights` where :attr:`encodes_own_share`: turns
     this rank's share into what it sends (patches in a delta sync); None: as it is."""

@@ -333,7 +333,9 @@ class CheckpointEngineManager:
         layout changed on purpose.
 
         Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of what the sender
-        sent), ``tensors``, ``buckets``, ``seconds/<stage>``, ``seconds/total``,
+        sent; with a backend that delivers layouts, the most any worker received, and
+        ``bytes_sent`` what all actor ranks sent), ``tensors``, ``buckets``,
+        ``seconds/<stage>``, ``seconds/total``,
         ``transfer_gbps`` and ``gbps`` (payload bytes per second). With ``config.delta``
         also ``delta`` (1 for a sync of patches, 0 for a full one), ``model_bytes`` (the
         weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
@@ -427,7 +429,8 @@ class CheckpointEngineManager:
                          min_seconds=_CLEANUP_SECONDS)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
                          min_seconds=_CLEANUP_SECONDS)
-        metrics = self._sync_metrics(stages, rounds, len(replicas))
+        metrics = self._sync_metrics(stages, rounds, len(replicas),
+                                     sharded=self.backend_cls.executes_layouts)
         if self.delta_ledger is not None and not from_cache:
             metrics.update(_delta_metrics(rounds, self.backend_cls.encodes_own_share))
         return metrics
@@ -600,14 +603,20 @@ class CheckpointEngineManager:
 
     @staticmethod
     def _sync_metrics(
-        stages: SyncStages, rounds: list[_Round], replicas: int
+        stages: SyncStages, rounds: list[_Round], replicas: int, sharded: bool = False
     ) -> dict[str, float]:
         """The stages' timings (summed over rounds) and what the sync moved (see
-        :meth:`update_weights`)."""
+        :meth:`update_weights`). ``sharded`` (every actor rank sent its own pieces, each
+        worker received only its boxes): ``bytes`` is the most any rollout worker received,
+        and ``bytes_sent`` what all actor ranks sent together."""
         metrics = dict(stages.metrics)
         total = stages.elapsed()
-        nbytes = sum(max((r.get("nbytes", 0) for r in round_.sent), default=0)
+        side = "loaded" if sharded else "sent"
+        nbytes = sum(max((r.get("nbytes", 0) for r in getattr(round_, side)), default=0)
                      for round_ in rounds)
+        if sharded:
+            metrics["weightsync/bytes_sent"] = float(sum(
+                r.get("nbytes", 0) for round_ in rounds for r in round_.sent))
         transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
         metrics.update({
             "weightsync/bytes": float(nbytes),

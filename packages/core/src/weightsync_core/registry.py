@@ -60,6 +60,9 @@ class KnownBackend:
 KNOWN_BACKENDS: Mapping[str, KnownBackend] = {
     "naive": KnownBackend("weightsync-core", "colocated: actor and rollout share a process"),
     "gloo": KnownBackend("weightsync-core", "collective broadcast over gloo on host memory"),
+    "gloo_sharded": KnownBackend(
+        "weightsync-core", "sharded delivery: each worker its slices, point to point over gloo"
+    ),
     "nccl": KnownBackend(
         "weightsync-nccl", "collective broadcast over NCCL on CUDA devices", "CUDA GPUs"
     ),

@@ -27,6 +27,7 @@ from weightsync_core.options import parse_options
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.protocols import ServerAdapter
 from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.shards.specs import LayoutSpec, weights_spec
 from weightsync_core.verification import ManifestGuard
 
 __all__ = [
@@ -318,7 +319,29 @@ class CheckpointEngineWorker:
             self.checkpoint_engine = await _engine_after_abort(self.checkpoint_engine,
                                                                self.config)
             return None
+        if method == "prepare":
+            self._declare_layout()
         return await _execute(self.checkpoint_engine, method, kwargs)
+
+    def _declare_layout(self) -> None:
+        """Hand the engine what this worker's server needs (its adapter's optional
+        ``weight_layout()``: a :data:`~weightsync_core.shards.LayoutSpec`, None for every
+        tensor whole) where the engine delivers layouts.
+
+        Raises:
+            WeightSyncError: the server needs only part of the weights, but the engine
+                delivers every tensor whole.
+        """
+        declare = getattr(self.server_adapter, "weight_layout", None)
+        layout = declare() if declare is not None else None
+        engine = self.checkpoint_engine
+        if getattr(engine, "executes_layouts", False):
+            engine.declare_layout(layout)
+        elif layout is not None:
+            raise WeightSyncError(
+                f"{type(self.server_adapter).__name__} needs only part of the weights (its "
+                f"weight_layout() is {layout!r}), but backend {self.config.backend!r} delivers "
+                "every tensor whole; use backend 'gloo_sharded'")
 
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
@@ -463,7 +486,32 @@ class ActorCheckpointEngineMixin:
                 self.checkpoint_engine, self.checkpoint_engine_config
             )
             return None
-        return await _execute(self.checkpoint_engine, method, kwargs)
+        engine = self.checkpoint_engine
+        if method == "prepare" and getattr(engine, "executes_layouts", False):
+            engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
+        return await _execute(engine, method, kwargs)
+
+    def weight_layout(self) -> LayoutSpec | None:
+        """What this rank holds, for engines that deliver layouts (``gloo_sharded``): a
+        :data:`~weightsync_core.shards.LayoutSpec` such as
+        :func:`~weightsync_core.shards.fsdp_spec` (then :meth:`iter_weight_shards` yields
+        those pieces), or None (the default): every tensor whole, as :meth:`iter_weights`
+        yields them."""
+        return None
+
+    def weight_shapes(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor's full shape and dtype, in stream order, for engines that deliver
+        layouts (the driver plans with them before any weight is read)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement weight_shapes() (every tensor's full shape "
+            "and dtype, in stream order) for a backend that delivers layouts")
+
+    def iter_weight_shards(self) -> WeightsSource:
+        """The pieces :meth:`weight_layout` declares, ``(name, piece)`` in stream order (an
+        FSDP rank: its local rows, gathered from no one)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares a weight_layout(), so it must implement "
+            "iter_weight_shards() (the pieces it holds, in stream order)")
 
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
@@ -480,8 +528,10 @@ class ActorCheckpointEngineMixin:
         taken = TransferStats()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
+        source = (self.iter_weight_shards() if getattr(engine, "executes_layouts", False)
+                  and self.weight_layout() is not None else self.iter_weights())
         weights = self.delta_sender.encoded(
-            engine, _ProducedWeights(self.iter_weights(), engine.progress, taken,
+            engine, _ProducedWeights(source, engine.progress, taken,
                                      contiguous=_written_for_verl(engine)),
             plan, self.checkpoint_engine_config.rollout_torch_dtype, encoding)
         stats = await engine.send_weights(weights, global_steps)

@@ -1,11 +1,16 @@
-"""Engines shipped with core: ``naive`` (colocated), ``gloo`` (collective broadcast), and the
-bases device and peer-to-peer backends build on."""
+"""Engines shipped with core: ``naive`` (colocated), ``gloo`` (collective broadcast),
+``gloo_sharded`` (sharded delivery point to point), and the bases device and peer-to-peer
+backends build on."""
 
 from weightsync_core.engines.broadcast import CollectiveBroadcastCheckpointEngine
 from weightsync_core.engines.gloo import GlooCheckpointEngine
 from weightsync_core.engines.naive import ColocatedCheckpointEngine
 from weightsync_core.engines.options import CollectiveBroadcastOptions, RingOptions
 from weightsync_core.engines.ring import RingCheckpointEngine
+from weightsync_core.engines.sharded_gloo import (
+    ShardedGlooCheckpointEngine,
+    ShardedGlooOptions,
+)
 
 __all__ = [
     "CollectiveBroadcastCheckpointEngine",
@@ -14,4 +19,6 @@ __all__ = [
     "GlooCheckpointEngine",
     "RingCheckpointEngine",
     "RingOptions",
+    "ShardedGlooCheckpointEngine",
+    "ShardedGlooOptions",
 ]

@@ -16,9 +16,11 @@ from weightsync_core.testing.weights import Faults, digest, digests, make_weight
 _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
           "ControlFrameReplayTests")
 _DELTA_SUITE = ("DeltaSyncConformanceTests",)
+_SHARDED_SUITE = ("ShardedDeliveryConformanceTests",)
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
     from weightsync_core.testing.delta_suite import DeltaSyncConformanceTests
+    from weightsync_core.testing.sharded_suite import ShardedDeliveryConformanceTests
     from weightsync_core.testing.suite import (
         CheckpointEngineConformanceTests,
         ColocatedEngineConformanceTests,
@@ -28,8 +30,8 @@ if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when ask
 __all__ = [
     "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
     "ControlFrameReplayTests", "DeltaSyncConformanceTests", "Faults",
-    "Placement", "SyncHarness", "digest", "digests", "ensure_ray", "make_weights",
-    "user_ray_cluster",
+    "Placement", "ShardedDeliveryConformanceTests", "SyncHarness", "digest", "digests",
+    "ensure_ray", "make_weights", "user_ray_cluster",
 ]
 
 
@@ -43,4 +45,8 @@ def __getattr__(name: str) -> Any:
         from weightsync_core.testing import delta_suite
 
         return getattr(delta_suite, name)
+    if name in _SHARDED_SUITE:
+        from weightsync_core.testing import sharded_suite
+
+        return getattr(sharded_suite, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

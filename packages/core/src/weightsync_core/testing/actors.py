@@ -17,6 +17,7 @@ import torch
 
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.shards.specs import LayoutSpec, resolve_layout
 from weightsync_core.testing.replay import tap_control_frames
 from weightsync_core.testing.resources import process_resources
 from weightsync_core.testing.weights import (
@@ -107,6 +108,11 @@ class RecordingServerAdapter:
         self.discard = False
         self.keep = False
         self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest | None]] = {}
+        self.layout: LayoutSpec | None = None
+
+    def weight_layout(self) -> LayoutSpec | None:
+        """What this server needs of the weights (None: every tensor whole)."""
+        return self.layout
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
@@ -175,6 +181,11 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         if not keep:
             adapter.kept.clear()
 
+    def set_layout(self, layout: LayoutSpec | None) -> None:
+        """Make the server need only the boxes of ``layout`` (a tensor-parallel worker, say);
+        None: every tensor whole."""
+        self._recorder().layout = layout
+
     def report(self) -> dict[str, Any]:
         """What the server received, and this process's view of the backend."""
         adapter = self._recorder()
@@ -208,6 +219,7 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         self.faults = Faults()
         self.colocated_adapter = RecordingServerAdapter()
         self.weight_streams = 0
+        self.layout: LayoutSpec | None = None
         self.init_checkpoint_engine(config, self.colocated_adapter)
 
     def set_weights(
@@ -228,6 +240,32 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         self.weights = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
         self.faults = Faults()
         return numel * 4 * num_tensors
+
+    def set_layout(self, layout: LayoutSpec | None) -> None:
+        """Hold only the boxes of ``layout`` (an FSDP rank, say) for engines that deliver
+        layouts; None: every tensor whole."""
+        self.layout = layout
+
+    def weight_layout(self) -> LayoutSpec | None:
+        return self.layout
+
+    def _declared(self) -> dict[str, torch.Tensor]:
+        """The weights as this rank declares them (a ``reshape`` fault flattens one, as a
+        change of layout would)."""
+        return {name: tensor.reshape(-1) if name == self.faults.reshape else tensor
+                for name, tensor in self.weights.items()}
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(tensor.shape), tensor.dtype)
+                for name, tensor in self._declared().items()}
+
+    def iter_weight_shards(self) -> WeightsSource:
+        self.weight_streams += 1
+        declared = self._declared()
+        shapes = {name: tuple(tensor.shape) for name, tensor in declared.items()}
+        held = resolve_layout(self.layout, shapes, "this actor rank")
+        shards = {name: box.cut(declared[name]) for name, box in held.boxes.items()}
+        return cast(WeightsSource, faulty_stream(shards, self.faults))
 
     def iter_weights(self) -> WeightsSource:
         self.weight_streams += 1

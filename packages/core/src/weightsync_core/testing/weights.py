@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from weightsync_core.bucketing import as_bytes, cast_for_rollout
+from weightsync_core.shards.tensor_parallel import DecoderShape
 
 __all__ = [
+    "DECODER",
     "ONE_ELEMENT",
     "Faults",
     "TensorDigest",
@@ -45,6 +47,9 @@ def make_weights(
             holds whole tensors a server reads straight out of it).
         ``large``: ``standard`` plus a tensor of about 1 GiB split over many buckets (not
             used by default: it is for manual runs).
+        ``decoder``: a two-layer Qwen2-style model of :data:`DECODER`'s geometry, in
+            Hugging Face names (a vocabulary of 100 rows, not a multiple of vLLM's padding;
+            norms of 33 rows, which do not split evenly; q/k/v biases).
         ``rollout_floats``: ``standard`` less what an engine that casts every tensor to its
             rollout dtype and holds each tensor in one bucket cannot deliver (verl's
             Mooncake engine): its floating-point tensors under a bucket's size.
@@ -59,6 +64,8 @@ def make_weights(
 
     if profile == "tiny":
         return {f"tiny.{index}": randn(3 + index % 5) for index in range(3000)}
+    if profile == "decoder":
+        return _decoder_weights(randn)
     if profile == "buckets":  # a little under 1/32 of a bucket each, alignment included
         return {f"layer.{index}": randn(bucket_size // 32 // 4 - 64) for index in range(128)}
     weights: dict[str, torch.Tensor] = {
@@ -91,7 +98,38 @@ def make_weights(
                    if tensor.is_floating_point() and tensor.nbytes < bucket_size}
     elif profile != "standard":
         raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets, "
-                         "large or rollout_floats")
+                         "decoder, large or rollout_floats")
+    return weights
+
+
+DECODER = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=48)
+"""The geometry of the ``decoder`` weights profile (hidden size 32)."""
+
+
+def _decoder_weights(randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    hidden, vocab = 32, 100
+    heads, kv = DECODER.num_attention_heads * DECODER.head_dim, (
+        DECODER.num_key_value_heads * DECODER.head_dim)
+    weights = {"model.embed_tokens.weight": randn(vocab, hidden)}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}"
+        weights.update({
+            f"{prefix}.input_layernorm.weight": randn(hidden),
+            f"{prefix}.self_attn.q_proj.weight": randn(heads, hidden),
+            f"{prefix}.self_attn.q_proj.bias": randn(heads),
+            f"{prefix}.self_attn.k_proj.weight": randn(kv, hidden),
+            f"{prefix}.self_attn.k_proj.bias": randn(kv),
+            f"{prefix}.self_attn.v_proj.weight": randn(kv, hidden),
+            f"{prefix}.self_attn.v_proj.bias": randn(kv),
+            f"{prefix}.self_attn.o_proj.weight": randn(hidden, heads),
+            f"{prefix}.post_attention_layernorm.weight": randn(hidden),
+            f"{prefix}.mlp.gate_proj.weight": randn(DECODER.intermediate_size, hidden),
+            f"{prefix}.mlp.up_proj.weight": randn(DECODER.intermediate_size, hidden),
+            f"{prefix}.mlp.down_proj.weight": randn(hidden, DECODER.intermediate_size),
+        })
+    weights["model.norm.weight"] = randn(33)
+    weights["lm_head.weight"] = randn(vocab, hidden)
     return weights
 
 

@@ -1,0 +1,234 @@
+"""The ``gloo_sharded`` engine: sharded delivery over gloo point to point. Every rollout
+worker receives only the boxes its layout needs, from the actor ranks that hold them, every
+actor rank sending at once (see :mod:`weightsync_core.shards`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync_core.base import CheckpointEngine, TransferStats
+from weightsync_core.blocking import run_blocking
+from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.errors import EmptyWeightsError, WeightSyncError
+from weightsync_core.options import EngineOptions
+from weightsync_core.process_group import (
+    RendezvousStore,
+    create_store,
+    default_host,
+    listen_on_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.shards.exchange import PlanExchange, PlanSender
+from weightsync_core.shards.layout import Layout
+from weightsync_core.shards.specs import LayoutSpec, parse_weights_spec, resolve_layout
+from weightsync_core.shards.transfers import TransferPlan
+from weightsync_core.wire import MessageSealer
+
+__all__ = ["ShardedGlooCheckpointEngine", "ShardedGlooOptions"]
+
+
+@dataclass(frozen=True)
+class ShardedGlooOptions(EngineOptions):
+    """Options of ``gloo_sharded``.
+
+    Attributes:
+        host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
+            Ray node IP, or ``127.0.0.1``).
+        chunk_megabytes: the largest message (MiB); a larger piece travels in chunks.
+        group_init_timeout: seconds group set-up may take before failing with the ranks
+            that never arrived.
+    """
+
+    host: str | None = None
+    chunk_megabytes: float = 64.0
+    group_init_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.chunk_megabytes > 0:
+            raise ValueError(f"option 'chunk_megabytes' must be > 0, got {self.chunk_megabytes}")
+        if not self.group_init_timeout > 0:
+            raise ValueError(f"option 'group_init_timeout' must be > 0 seconds, got "
+                             f"{self.group_init_timeout}")
+
+
+@dataclass
+class _Sync:
+    """One sync's group and plan."""
+
+    store: RendezvousStore
+    exchange: PlanExchange
+    layout: Layout
+    rank: int
+    """This process's rank among the actor ranks or the rollout workers."""
+    is_actor: bool
+
+
+@CheckpointEngineRegistry.register("gloo_sharded")
+class ShardedGlooCheckpointEngine(CheckpointEngine):
+    """Sharded delivery over one gloo group of every actor rank and rollout worker.
+
+    Each process declares its layout before ``prepare()``
+    (:meth:`declare_layout`: what an actor rank holds, say its FSDP rows, and, on actor rank 0,
+    every tensor's shape and dtype; what a rollout worker needs, say its tensor-parallel
+    slices; nothing declared: every tensor whole). :meth:`build_topology` intersects them
+    into a :class:`~weightsync_core.shards.TransferPlan`; every process checks it holds the
+    same plan, then every actor rank sends its pieces point to point while every worker
+    receives exactly the boxes it declared, each piece checked against its sender's
+    checksum. Workers yield ``(name, box)`` tensors of the shape of their box.
+    """
+
+    options_class = ShardedGlooOptions
+    executes_layouts: ClassVar[bool] = True
+
+    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
+        super().__init__(bucket_size, **kwargs)
+        self.host = self.options.host
+        self.layout_spec: LayoutSpec | None = None
+        self.weights_spec: dict[str, Any] | None = None
+        self._listener: socket.socket | None = None
+        self._sync: _Sync | None = None
+
+    def declare_layout(self, layout: LayoutSpec | None,
+                       weights: dict[str, Any] | None = None) -> None:
+        """What this process holds or needs (a :data:`~weightsync_core.shards.LayoutSpec`;
+        None: every tensor whole) and, on actor rank 0, every tensor's shape and dtype
+        (:func:`~weightsync_core.shards.weights_spec`) before the rollout cast."""
+        self.layout_spec = layout
+        self.weights_spec = weights
+
+    # -- CheckpointEngine ----------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        host = self.host or default_host()
+        self._close_listener()
+        self._listener = listen_on_free_port(host)
+        return {"host": host, "port": self._listener.getsockname()[1],
+                "layout": self.layout_spec, "weights": self.weights_spec}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The plan, from every process's layout and actor rank 0's weights."""
+        weights = metadata[0].get("weights") if metadata else None
+        if not weights:
+            raise WeightSyncError(
+                "gloo_sharded: actor rank 0 declared no weights (their shapes and dtypes): "
+                "the actor must implement weight_shapes()")
+        shapes, _ = parse_weights_spec(weights)
+        held = [resolve_layout(metadata[rank].get("layout"), shapes, f"actor rank {rank}")
+                for rank in range(actor_wg_world_size)]
+        needed = [resolve_layout(metadata[actor_wg_world_size + rank].get("layout"), shapes,
+                                 f"rollout rank {rank}") for rank in range(rollout_world_size)]
+        plan = TransferPlan.build(shapes, held, needed).as_data()
+        size = actor_wg_world_size + rollout_world_size
+        master = {"host": metadata[0]["host"], "port": metadata[0]["port"]}
+
+        def side(first: int, count: int) -> dict[str, list[Any]]:
+            return {"rank": list(range(first, first + count)), "world_size": [size] * count,
+                    "master": [master] * count, "plan": [plan] * count,
+                    "weights": [weights] * count, "actor_ranks": [actor_wg_world_size] * count}
+
+        return side(0, actor_wg_world_size), side(actor_wg_world_size, rollout_world_size)
+
+    def init_process_group(self, rank: int, world_size: int, master: dict[str, Any],
+                           plan: list[list[Any]], weights: dict[str, Any],
+                           actor_ranks: int) -> None:
+        self._end_sync()
+        listener, self._listener = self._listener, None
+        if rank != 0 and listener is not None:
+            listener.close()
+            listener = None
+        sealer = MessageSealer(self.session_key)
+        key = sealer.derive_key("rendezvous store")
+        timeout = self.options.group_init_timeout
+        store = create_store(master["host"], master["port"], rank, world_size, timeout,
+                             "gloo_sharded", key, listener=listener)
+        try:
+            rendezvous(store, rank, world_size, timeout)
+            group = new_gloo_group(store.store, rank, world_size, self.timeout,
+                                   self.host or default_host())
+            shapes, dtypes = parse_weights_spec(weights)
+            sent_dtypes = {name: cast_for_rollout(torch.empty(0, dtype=dtype),
+                                                  self.rollout_dtype).dtype
+                           for name, dtype in dtypes.items()}
+            exchange = PlanExchange(group, TransferPlan.from_data(plan), shapes, sent_dtypes,
+                                    actor_ranks, sealer,
+                                    int(self.options.chunk_megabytes * 2**20), self.timeout,
+                                    lambda data: self.bucket_checksum(data))
+            is_actor = rank < actor_ranks
+            own = rank if is_actor else rank - actor_ranks
+            who = f"{'actor' if is_actor else 'rollout'} rank {own}"
+            layout = resolve_layout(self.layout_spec, shapes, who)
+            exchange.agree(rank, world_size)
+        except BaseException:
+            store.close()
+            raise
+        self._sync = _Sync(store, exchange, layout, own, is_actor)
+
+    def sends_weights(self) -> bool:
+        """Every actor rank sends the rows it holds."""
+        return self._sync is not None and self._sync.is_actor
+
+    async def send_weights(
+        self, weights: WeightsSource, global_steps: int | None = None
+    ) -> TransferStats:
+        start = time.perf_counter()
+        sync = self._require_sync()
+        sender: PlanSender = sync.exchange.sender(sync.rank, sync.layout)
+        tensors = 0
+        async for name, shard in iter_named_tensors(weights):
+            shard = cast_for_rollout(shard, self.rollout_dtype)
+            await run_blocking(sender.put, name, shard)
+            tensors += 1
+        if not tensors and sync.layout.boxes:
+            raise EmptyWeightsError(
+                f"{type(self).__name__} on actor rank {sync.rank}: the weight stream held no "
+                "tensors; a sync that loads nothing is refused")
+        nbytes = await run_blocking(sender.finish)
+        # its "buckets" are the data messages (chunks) it sent
+        return TransferStats(tensors, nbytes, sender.messages, time.perf_counter() - start)
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield each tensor's box as this worker's layout declared it, whole and checked."""
+        sync = self._require_sync()
+        received: Iterator[tuple[str, torch.Tensor]] = sync.exchange.receive(sync.rank,
+                                                                              sync.layout)
+        while (item := await run_blocking(next, received, None)) is not None:
+            yield item
+
+    def finalize(self) -> None:
+        """End this sync (the group is built afresh every sync)."""
+        self._end_sync()
+
+    def abort(self) -> None:
+        """Drop the group and the reserved port, whatever their state."""
+        self._close_listener()
+        self._end_sync()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _require_sync(self) -> _Sync:
+        if self._sync is None:
+            raise WeightSyncError(f"{type(self).__name__}: no group (did init_process_group "
+                                  "fail?)")
+        return self._sync
+
+    def _end_sync(self) -> None:
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.store.close()
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()

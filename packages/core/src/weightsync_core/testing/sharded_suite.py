@@ -1,0 +1,170 @@
+"""Conformance cases of sharded delivery, for backends whose engine sets
+``executes_layouts``: FSDP-style actor ranks into tensor-parallel replicas. Mix into the
+backend's conformance class (one deployment serves both)::
+
+    class TestShardedGlooConformance(CheckpointEngineConformanceTests,
+                                     ShardedDeliveryConformanceTests):
+        backend = "gloo_sharded"
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import pytest
+import ray
+
+from weightsync_core.bucketing import cast_for_rollout
+from weightsync_core.config import parse_dtype
+from weightsync_core.errors import SyncStageError
+from weightsync_core.ray_group import RayRolloutReplica
+from weightsync_core.shards.specs import (
+    LayoutSpec,
+    fsdp_spec,
+    resolve_layout,
+    tensor_parallel_spec,
+)
+from weightsync_core.testing.harness import SyncHarness
+from weightsync_core.testing.suite import _ConformanceBase
+from weightsync_core.testing.weights import DECODER, Faults, TensorDigest, digest, make_weights
+
+__all__ = ["ShardedDeliveryConformanceTests"]
+
+_PROFILE = "decoder"
+
+
+class ShardedDeliveryConformanceTests(_ConformanceBase):
+    """Every rollout worker receives exactly the boxes its layout declares, bit-exact, from
+    the actor ranks that hold those rows; a sender that dies is named."""
+
+    case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {
+        "test_sharded_added_tp_replica_gets_its_slices": (("replica", 2),),
+        "test_sharded_sender_that_dies_is_blamed": (("actor", 1),),
+    }
+
+    @staticmethod
+    def _worker_layouts(harness: SyncHarness, replicas: Sequence[RayRolloutReplica]
+                        ) -> list[LayoutSpec | None]:
+        """A replica of one worker takes every tensor whole; one of more is tensor parallel
+        across its workers."""
+        return [None if len(replica.workers) == 1 else
+                tensor_parallel_spec(DECODER, len(replica.workers), rank)
+                for replica in replicas for rank in range(len(replica.workers))]
+
+    @contextlib.contextmanager
+    def _sharded(self, harness: SyncHarness, replicas: Sequence[RayRolloutReplica]
+                 ) -> Iterator[list[LayoutSpec | None]]:
+        """FSDP rows on the actor ranks, tensor-parallel layouts on ``replicas``; everything
+        whole again afterwards."""
+        size = len(harness.actors)
+        layouts = self._worker_layouts(harness, replicas)
+        workers = [worker for replica in replicas for worker in replica.workers]
+        ray.get([actor.set_layout.remote(fsdp_spec(size, rank))
+                 for rank, actor in enumerate(harness.actors)])
+        ray.get([worker.set_layout.remote(layout)
+                 for worker, layout in zip(workers, layouts, strict=True)])
+        try:
+            yield layouts
+        finally:
+            ray.get([actor.set_layout.remote(None) for actor in harness.actors])
+            ray.get([worker.set_layout.remote(None) for worker in workers])
+            # the deployment's other cases expect the standard weights, whole, everywhere
+            expected = harness.set_weights(seed=70)
+            harness.manager(replicas).update_weights_sync(global_steps=70,
+                                                          allow_manifest_change=True)
+            self.assert_delivered(harness, expected, replicas)
+
+    def _expected(self, harness: SyncHarness, seed: int,
+                  layouts: Sequence[LayoutSpec | None]) -> list[dict[str, TensorDigest]]:
+        """What each worker of ``layouts`` must receive: the digests of its boxes."""
+        dtype = parse_dtype(harness.config.rollout_dtype)
+        weights = {name: cast_for_rollout(tensor, dtype) for name, tensor in
+                   make_weights(seed, harness.config.bucket_size_bytes, _PROFILE).items()}
+        shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+        expected = []
+        for index, spec in enumerate(layouts):
+            layout = resolve_layout(spec, shapes, f"rollout rank {index}")
+            expected.append({name: digest(box.cut(weights[name]).contiguous())
+                             for name, box in layout.boxes.items()})
+        return expected
+
+    def _sync_and_check(self, harness: SyncHarness, manager: Any, seed: int,
+                        replicas: Sequence[RayRolloutReplica],
+                        layouts: Sequence[LayoutSpec | None],
+                        allow_manifest_change: bool = False) -> dict[str, float]:
+        """Sync the ``decoder`` weights of ``seed`` (``allow_manifest_change``: the first
+        sync of a case, whose workers held other tensors before); check every worker."""
+        harness.set_weights(seed=seed, profile=_PROFILE)
+        metrics = manager.update_weights_sync(global_steps=seed,
+                                              allow_manifest_change=allow_manifest_change)
+        reports = harness.reports(replicas)
+        for index, (report, expected) in enumerate(zip(
+                reports, self._expected(harness, seed, layouts), strict=True)):
+            assert report["received"] == expected, (
+                f"rollout rank {index} ({layouts[index]}): received "
+                f"{sorted(report['received'])[:3]}..., differing "
+                f"{[n for n in expected if report['received'].get(n) != expected[n]][:5]}")
+        return metrics
+
+    def test_sharded_fsdp_ranks_into_tp_replicas_bit_exact(self, harness: SyncHarness
+                                                           ) -> None:
+        """2 FSDP ranks into a whole-model replica and a TP=2 replica, three syncs: every
+        worker gets exactly its slices (the vocabulary padded as vLLM pads it, norms of 33
+        rows split 17/16 between the senders, the embedding in several chunks); the TP
+        workers receive about half the bytes; every actor rank sends."""
+        replicas = harness.replicas
+        manager = harness.manager()
+        with self._sharded(harness, replicas) as layouts:
+            for seed in (71, 72, 73):
+                metrics = self._sync_and_check(harness, manager, seed, replicas, layouts,
+                                               allow_manifest_change=seed == 71)
+            sent = ray.get([actor.report.remote() for actor in harness.actors])
+            sizes = [sum(_nbytes(entry) for entry in report["received"].values())
+                     for report in harness.reports(replicas)]
+        assert all(report["weight_streams"] > 0 for report in sent)
+        whole = sizes[0]
+        assert all(0.4 * whole < size < 0.6 * whole for size in sizes[1:]), sizes
+        # the most any worker received; every worker's bytes crossed once, from both senders
+        assert metrics["weightsync/bytes"] == max(sizes)
+        assert metrics["weightsync/bytes_sent"] == sum(sizes)
+
+    def test_sharded_added_tp_replica_gets_its_slices(self, harness: SyncHarness) -> None:
+        """A TP=2 replica added later receives its slices in the next sync, with the others."""
+        added = harness.new_replica(2)
+        replicas = [*harness.replicas, added]
+        manager = harness.manager(replicas)
+        try:
+            with self._sharded(harness, replicas) as layouts:
+                self._sync_and_check(harness, manager, 74, replicas, layouts,
+                                     allow_manifest_change=True)
+        finally:
+            for worker in added.workers:
+                ray.kill(worker)
+
+    def test_sharded_sender_that_dies_is_blamed(self, harness: SyncHarness) -> None:
+        """Actor rank 1 dies after a few of its shards: the sync fails within its timeout,
+        naming it; after it is replaced, the next sync delivers every slice."""
+        replicas = harness.replicas
+        with self._sharded(harness, replicas) as layouts:
+            harness.set_weights(seed=75, profile=_PROFILE)
+            ray.get(harness.actors[1].set_weights.remote(75, _PROFILE, Faults(die_after=5)))
+            manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+            try:
+                with pytest.raises(SyncStageError) as info:
+                    manager.update_weights_sync(global_steps=75)
+            finally:
+                harness.replace_actor(1)
+            assert info.value.worker == "actor_wg rank 1", str(info.value)
+            ray.get(harness.actors[1].set_layout.remote(fsdp_spec(len(harness.actors), 1)))
+            self._sync_and_check(harness, harness.manager(), 76, replicas, layouts,
+                                 allow_manifest_change=True)
+
+
+def _nbytes(entry: TensorDigest) -> int:
+    shape, dtype, _ = entry
+    count = 1
+    for size in shape:
+        count *= size
+    return count * parse_dtype(dtype).itemsize  # type: ignore[union-attr]
