@@ -18,29 +18,20 @@ from weightsync_core.process_group import (
     rendezvous,
 )
 from weightsync_core.shards import (
-    DecoderShape,
     Layout,
     PlanExchange,
     TransferPlan,
     decoder_tensor_parallel_layout,
     fsdp_layout,
 )
+from weightsync_core.testing.weights import DECODER, make_weights
 from weightsync_core.verification import host_checksum
 from weightsync_core.wire import MessageSealer
 
-MODEL = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     intermediate_size=48)
-SHAPES = {
-    "model.embed_tokens.weight": (100, 32),  # larger than a chunk; 100 rows split 50/50
-    "model.layers.0.self_attn.q_proj.weight": (32, 32),
-    "model.layers.0.self_attn.k_proj.weight": (16, 32),
-    "model.layers.0.self_attn.v_proj.bias": (16,),
-    "model.layers.0.self_attn.o_proj.weight": (32, 32),
-    "model.layers.0.mlp.gate_proj.weight": (48, 32),
-    "model.layers.0.mlp.down_proj.weight": (32, 48),
-    "model.norm.weight": (31,),  # odd rows: 16 and 15
-    "lm_head.weight": (100, 32),
-}
+# the test weights' small Qwen2: a vocabulary of 100 rows, norms of 33 rows (17 and 16 on the
+# two FSDP ranks)
+MODEL = DECODER
+SHAPES = {name: tuple(tensor.shape) for name, tensor in make_weights(0, 1 << 20, "decoder").items()}
 DTYPES = {name: torch.bfloat16 for name in SHAPES}
 ACTORS = 2
 HELD = [fsdp_layout(SHAPES, ACTORS, rank) for rank in range(ACTORS)]
@@ -231,7 +222,7 @@ def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():
 def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named():
     reports = _run(_lying_sender)
     assert reports[ACTORS + 4]["source"] == "actor rank 0"
-    assert "the piece [0:16] of tensor 'model.norm.weight' from actor rank 0 is corrupt: it " \
+    assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 is corrupt: it " \
         "differs from its sender's checksum" in reports[ACTORS + 4]["error"]
 
 
@@ -239,7 +230,7 @@ def test_a_checksum_not_sealed_under_the_syncs_key_is_refused():
     """Other bytes with a matching checksum, sealed under another key (an outsider who
     raced a gloo connection): refused, never loaded."""
     reports = _run(_forging_sender)
-    assert "the piece [0:16] of tensor 'model.norm.weight' from actor rank 0 came with a " \
+    assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 came with a " \
         "checksum not sealed under this sync's key" in reports[ACTORS + 4]["error"]
 
 

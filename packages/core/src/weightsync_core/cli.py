@@ -175,8 +175,9 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
     print(f"recommended: {best.prediction.backend} ({best.prediction.option}), "
           f"bound by {best.prediction.bound}")
     if sharded is not None:
-        print(f"sharded delivery (each rollout worker its shard from every actor rank; not in "
-              f"the engines yet): {sharded.seconds:.2f} s, bound by {sharded.bound}; "
+        print(f"sharded delivery (each rollout worker its shard from every actor rank; "
+              f"gloo_sharded runs it over gloo, not yet over RDMA): {sharded.seconds:.2f} s, "
+              f"bound by {sharded.bound}; "
               f"{best.prediction.seconds / sharded.seconds:.1f}x faster than the recommended")
     return 0
 
@@ -275,7 +276,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--sharded", action="store_true",
                       help="also predict sharded delivery: each rollout worker receives only "
                       "its shard (its replica's workers split the model), from every actor "
-                      "rank at once (not in the engines yet)")
+                      "rank at once, priced as a point-to-point engine on --device")
     plan.add_argument("--replicated-fraction", type=float, default=0.0,
                       help="with --sharded: the fraction of the model every worker of a "
                       "replica needs whole (norms, replicated KV heads)")

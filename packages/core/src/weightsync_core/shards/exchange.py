@@ -164,14 +164,15 @@ class PlanExchange:
         data = torch.empty(transfer.box.numel * itemsize, dtype=torch.uint8)
         tag = self.first_tag(index)
         works = []
+        peer = f"actor rank {transfer.sender}"
         for start in range(0, max(data.numel(), 1), self.chunk_bytes):
-            works.append(self.group.recv([data[start:start + self.chunk_bytes]],
-                                         transfer.sender, tag))
+            works.append(self.post(self.group.recv, data[start:start + self.chunk_bytes],
+                                   transfer.sender, tag, peer, "receiving"))
             tag += 1
         frame = torch.empty(len(self.sealed_checksum(0, 0)), dtype=torch.uint8)
-        works.append(self.group.recv([frame], transfer.sender, tag))
+        works.append(self.post(self.group.recv, frame, transfer.sender, tag, peer, "receiving"))
         for work in works:
-            self._wait(work, f"actor rank {transfer.sender}", "receiving")
+            self._wait(work, peer, "receiving")
         where = (f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
                  f"{transfer.name!r} from actor rank {transfer.sender}")
         try:
@@ -222,6 +223,16 @@ class PlanExchange:
     def first_tag(self, index: int) -> int:
         """The tag of the first message of the plan's ``index``-th transfer."""
         return self._first_tag[index]
+
+    def post(self, operation: Callable[[list[torch.Tensor], int, int], Work],
+             tensor: torch.Tensor, rank: int, tag: int, peer: str, stage: str) -> Work:
+        """Post ``operation`` (the group's ``send`` or ``recv``) of ``tensor`` with group
+        rank ``rank``, naming ``peer`` where the group refuses (its connection died)."""
+        try:
+            return operation([tensor], rank, tag)
+        except RuntimeError as exc:
+            raise TransferError(f"{stage} failed with {peer}: {exc}", peer=peer,
+                                stage=stage) from None
 
     def drain(self, pending: list[tuple[Work, Transfer]], stage: str) -> None:
         """Wait for ``pending`` sends (then empties it), naming a receiver that failed."""
@@ -280,14 +291,17 @@ class PlanSender:
             data = as_bytes(transfer.box.within(box).cut(shard))
             peer = exchange.actor_ranks + transfer.receiver
             tag = exchange.first_tag(index)
+            receiver = f"rollout rank {transfer.receiver}"
             for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
                 chunk = data[start:start + exchange.chunk_bytes]
-                self.pending.append((exchange.group.send([chunk], peer, tag), transfer))
+                self.pending.append((exchange.post(exchange.group.send, chunk, peer, tag,
+                                                   receiver, "sending"), transfer))
                 tag += 1
                 self.messages += 1
             frame = exchange.sealed_checksum(index, exchange.checksum(data))
             checksum = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-            self.pending.append((exchange.group.send([checksum], peer, tag), transfer))
+            self.pending.append((exchange.post(exchange.group.send, checksum, peer, tag,
+                                               receiver, "sending"), transfer))
             self.in_flight += data.numel()
             self.sent += data.numel()
         if self.in_flight >= _IN_FLIGHT_BYTES:
