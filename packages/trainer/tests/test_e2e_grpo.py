@@ -96,3 +96,17 @@ def test_same_run_with_every_landed_backend(backend):
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
     for row in rows:
         assert row["weightsync/actor_kept_bytes"] < row["weightsync/model_bytes"] * 0.75
+
+
+def test_sharded_delivery_from_both_fsdp_ranks():
+    """gloo_sharded: each of the 2 FSDP ranks sends its own rows (no gather) to both
+    replicas, which need every tensor whole."""
+    runner, rows = _run("gloo_sharded", 3)
+    try:
+        checksums = runner.trainer.weights_checksums()
+    finally:
+        runner.trainer.shutdown()
+    assert checksums["rollout"] == [checksums["actor"]] * 2
+    # the most a worker received is the whole model; both replicas' copies left the ranks
+    assert all(row["weightsync/bytes_sent"] == 2 * row["weightsync/bytes"] > 0 for row in rows)
+    assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]

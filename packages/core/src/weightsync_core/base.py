@@ -135,8 +135,8 @@ class CheckpointEngine(ABC):
     executes_layouts: ClassVar[bool] = False
     """True for engines that deliver each rollout worker only the boxes its layout needs
     (sharded delivery: ``gloo_sharded``). The workers hand them each process's layout
-    through ``declare_layout(layout, weights)`` before :meth:`prepare`, and actor ranks that
-    declare one send the pieces they hold (``iter_weight_shards``)."""
+    through :meth:`declare_layout` before :meth:`prepare`, and actor ranks that declare one
+    send the pieces they hold (``iter_weight_shards``)."""
 
     share_encoder: ShareEncoder | None = None
     """Set by the worker before :meth:`send_weights` where :attr:`encodes_own_share`: turns
@@ -271,6 +271,22 @@ class CheckpointEngine(ABC):
         :meth:`init_process_group`); False on actor ranks that only drain their iterator.
         Delta sync keeps a baseline only where this is True. By default True."""
         return True
+
+    def declare_layout(self, layout: Mapping[str, Any] | None,
+                       weights: Mapping[str, Any] | None = None) -> None:
+        """Take what this process holds or needs (a
+        :data:`~weightsync_core.shards.LayoutSpec`; None: every tensor whole) and, from an
+        actor rank, every tensor's shape and dtype; engines that :attr:`executes_layouts`
+        override it. Others deliver every tensor whole.
+
+        Raises:
+            WeightSyncError: a layout other than the whole model, for an engine that
+                delivers every tensor whole.
+        """
+        if layout is not None:
+            raise WeightSyncError(
+                f"{type(self).__name__} delivers every tensor whole, but this process "
+                f"declares the layout {layout!r}; use backend 'gloo_sharded'")
 
     def bucket_checksum(self, data: torch.Tensor) -> int:
         """Checksum of a bucket's used bytes, for verification (computed where they live:

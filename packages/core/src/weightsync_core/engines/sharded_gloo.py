@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from weightsync_core.process_group import (
     rendezvous,
 )
 from weightsync_core.registry import CheckpointEngineRegistry
-from weightsync_core.shards.exchange import PlanExchange, PlanSender
+from weightsync_core.shards.exchange import PlanExchange, PlanSender, PointToPoint
 from weightsync_core.shards.layout import Layout
 from weightsync_core.shards.specs import LayoutSpec, parse_weights_spec, resolve_layout
 from weightsync_core.shards.transfers import TransferPlan
@@ -93,12 +93,12 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         super().__init__(bucket_size, **kwargs)
         self.host = self.options.host
         self.layout_spec: LayoutSpec | None = None
-        self.weights_spec: dict[str, Any] | None = None
+        self.weights_spec: Mapping[str, Any] | None = None
         self._listener: socket.socket | None = None
         self._sync: _Sync | None = None
 
     def declare_layout(self, layout: LayoutSpec | None,
-                       weights: dict[str, Any] | None = None) -> None:
+                       weights: Mapping[str, Any] | None = None) -> None:
         """What this process holds or needs (a :data:`~weightsync_core.shards.LayoutSpec`;
         None: every tensor whole) and, on actor rank 0, every tensor's shape and dtype
         (:func:`~weightsync_core.shards.weights_spec`) before the rollout cast."""
@@ -154,8 +154,8 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
                              "gloo_sharded", key, listener=listener)
         try:
             rendezvous(store, rank, world_size, timeout)
-            group = new_gloo_group(store.store, rank, world_size, self.timeout,
-                                   self.host or default_host())
+            group = cast(PointToPoint, new_gloo_group(store.store, rank, world_size,
+                                                      self.timeout, self.host or default_host()))
             shapes, dtypes = parse_weights_spec(weights)
             sent_dtypes = {name: cast_for_rollout(torch.empty(0, dtype=dtype),
                                                   self.rollout_dtype).dtype
@@ -202,9 +202,8 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield each tensor's box as this worker's layout declared it, whole and checked."""
         sync = self._require_sync()
-        received: Iterator[tuple[str, torch.Tensor]] = sync.exchange.receive(sync.rank,
-                                                                              sync.layout)
-        while (item := await run_blocking(next, received, None)) is not None:
+        received = sync.exchange.receive(sync.rank, sync.layout)
+        while (item := await run_blocking(_next_or_none, received)) is not None:
             yield item
 
     def finalize(self) -> None:
@@ -232,3 +231,8 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+
+
+def _next_or_none(items: Iterator[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    """The next item of ``items``, or None at its end."""
+    return next(items, None)

@@ -53,8 +53,8 @@ class Layout:
 def fsdp_layout(shapes: Shapes, world_size: int, rank: int) -> Layout:
     """What FSDP2 (``fully_shard``) rank ``rank`` of ``world_size`` holds: of every tensor of
     one dimension or more, its ``Shard(0)`` rows (``torch.chunk``'s split: chunks of
-    ``ceil(rows / world_size)`` rows, the last shorter, ranks past the end none); 0-dim
-    tensors whole on every rank (replicated).
+    ``ceil(rows / world_size)`` rows, the last shorter, ranks past the end an empty box, as
+    FSDP2 gives them an empty local tensor); 0-dim tensors whole on every rank (replicated).
 
     Raises:
         ValueError: a rank outside ``0 .. world_size - 1``.
@@ -69,7 +69,5 @@ def fsdp_layout(shapes: Shapes, world_size: int, rank: int) -> Layout:
             replicated.add(name)
             continue
         chunk = -(-shape[0] // world_size)
-        box = Box.along(shape, 0, rank * chunk, (rank + 1) * chunk)
-        if box.numel or not shape[0]:
-            boxes[name] = box
+        boxes[name] = Box.along(shape, 0, rank * chunk, (rank + 1) * chunk)  # maybe no rows
     return Layout(boxes, frozenset(replicated))

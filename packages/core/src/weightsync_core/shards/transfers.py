@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from weightsync_core.shards.box import Box
 from weightsync_core.shards.layout import Layout, Shapes
@@ -82,7 +83,7 @@ class TransferPlan:
                 for t in self.transfers]
 
     @classmethod
-    def from_data(cls, data: Sequence[Sequence[object]]) -> TransferPlan:
+    def from_data(cls, data: Sequence[Sequence[Any]]) -> TransferPlan:
         """The plan of :meth:`as_data`.
 
         Raises:

@@ -11,10 +11,15 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
+from weightsync_core.shards import LayoutSpec, fsdp_spec
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
-from weightsync_trainer.workers.training import TrainingWorker, full_parameters
+from weightsync_trainer.workers.training import (
+    TrainingWorker,
+    full_parameters,
+    local_parameters,
+)
 
 __all__ = ["ActorWorker"]
 
@@ -47,6 +52,18 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
 
     def iter_weights(self) -> WeightsSource:
         return full_parameters(self._built_model())
+
+    def weight_layout(self) -> LayoutSpec:
+        """This rank's FSDP2 rows of every parameter (for backends that deliver layouts)."""
+        return fsdp_spec(dist.get_world_size(), dist.get_rank())
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(param.shape), param.dtype)
+                for name, param in self._built_model().named_parameters()}
+
+    def iter_weight_shards(self) -> WeightsSource:
+        """This rank's own rows of each parameter, gathered from no one."""
+        return local_parameters(self._built_model())
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +

@@ -18,7 +18,7 @@ from weightsync_core import load_custom_backend_module
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import TrainingWorkerConfig
 
-__all__ = ["TrainingWorker", "full_parameters"]
+__all__ = ["TrainingWorker", "full_parameters", "local_parameters"]
 
 _GROUP_TIMEOUT = timedelta(minutes=5)
 
@@ -33,6 +33,14 @@ def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     """
     for name, param in model.named_parameters():
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, tensor.detach()
+
+
+def local_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, this rank's rows)`` for each parameter: the local ``Shard(0)`` piece of a
+    sharded one (no collective), an unsharded one whole."""
+    for name, param in model.named_parameters():
+        tensor = param.to_local() if isinstance(param, DTensor) else param
         yield name, tensor.detach()
 
 
