@@ -85,6 +85,8 @@ class PlanExchange:
         self.sealer = sealer
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
+        self._frame_bytes = len(self.sealed_checksum(0, 0))
+        """Bytes of a sealed checksum frame (the same for every piece)."""
         self.timeout = timedelta(seconds=timeout)
         self._first_tag: list[int] = []
         tag = 0
@@ -160,8 +162,8 @@ class PlanExchange:
             yield name, out
 
     def _receive_piece(self, index: int, transfer: Transfer) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
-        data = torch.empty(transfer.box.numel * itemsize, dtype=torch.uint8)
+        data = torch.empty(transfer.box.numel * self.dtypes[transfer.name].itemsize,
+                           dtype=torch.uint8)
         tag = self.first_tag(index)
         works = []
         peer = f"actor rank {transfer.sender}"
@@ -169,7 +171,7 @@ class PlanExchange:
             works.append(self.post(self.group.recv, data[start:start + self.chunk_bytes],
                                    transfer.sender, tag, peer, "receiving"))
             tag += 1
-        frame = torch.empty(len(self.sealed_checksum(0, 0)), dtype=torch.uint8)
+        frame = torch.empty(self._frame_bytes, dtype=torch.uint8)
         works.append(self.post(self.group.recv, frame, transfer.sender, tag, peer, "receiving"))
         for work in works:
             self._wait(work, peer, "receiving")
@@ -212,8 +214,8 @@ class PlanExchange:
         return dict(grouped)
 
     def _chunks(self, transfer: Transfer) -> int:
-        itemsize = torch.empty((), dtype=self.dtypes[transfer.name]).element_size()
-        return max(1, -(-transfer.box.numel * itemsize // self.chunk_bytes))
+        nbytes = transfer.box.numel * self.dtypes[transfer.name].itemsize
+        return max(1, -(-nbytes // self.chunk_bytes))
 
     def sealed_checksum(self, index: int, checksum: int) -> bytes:
         """The frame announcing the plan's ``index``-th piece's ``checksum``."""

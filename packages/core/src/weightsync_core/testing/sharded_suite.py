@@ -10,6 +10,7 @@ backend's conformance class (one deployment serves both)::
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -164,7 +165,4 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
 
 def _nbytes(entry: TensorDigest) -> int:
     shape, dtype, _ = entry
-    count = 1
-    for size in shape:
-        count *= size
-    return count * parse_dtype(dtype).itemsize  # type: ignore[union-attr]
+    return math.prod(shape) * parse_dtype(dtype).itemsize  # type: ignore[union-attr]
