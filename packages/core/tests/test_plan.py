@@ -227,7 +227,7 @@ def test_cli_predicts_sharded_delivery_beside_the_table(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "sharded delivery (each rollout worker its shard from every actor rank; " \
-        "gloo_sharded runs it over gloo, not yet over RDMA)" in out
+        "nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo)" in out
     assert main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[-1]["option"] == "sharded delivery" and rows[-1]["engine_kwargs"] is None

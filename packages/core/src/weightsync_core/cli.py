@@ -176,7 +176,8 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
           f"bound by {best.prediction.bound}")
     if sharded is not None:
         print(f"sharded delivery (each rollout worker its shard from every actor rank; "
-              f"gloo_sharded runs it over gloo, not yet over RDMA): {sharded.seconds:.2f} s, "
+              f"nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo): "
+              f"{sharded.seconds:.2f} s, "
               f"bound by {sharded.bound}; "
               f"{best.prediction.seconds / sharded.seconds:.1f}x faster than the recommended")
     return 0

@@ -70,9 +70,17 @@ KNOWN_BACKENDS: Mapping[str, KnownBackend] = {
         "weightsync-hccl", "collective broadcast over HCCL on Ascend NPUs", "torch_npu"
     ),
     "nixl": KnownBackend("weightsync-nixl", "pipelined ring over NIXL (UCX, ...)", "nixl"),
+    "nixl_sharded": KnownBackend(
+        "weightsync-nixl", "sharded delivery: every actor rank writes slices over NIXL", "nixl"
+    ),
     "mooncake": KnownBackend(
         "weightsync-mooncake",
         "pipelined ring over Mooncake Transfer Engine",
+        "mooncake-transfer-engine",
+    ),
+    "mooncake_sharded": KnownBackend(
+        "weightsync-mooncake",
+        "sharded delivery: every actor rank writes slices over Mooncake Transfer Engine",
         "mooncake-transfer-engine",
     ),
     "kimi": KnownBackend(

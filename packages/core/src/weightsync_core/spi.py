@@ -2,7 +2,8 @@
 
 Everything a transport package needs to build an engine is exported here under public
 names: the engine interfaces and the two bases backends specialise (collective broadcast and
-the pipelined ring) with their typed options, the peer-to-peer transport interface, bucket
+the pipelined ring) with their typed options, the base of sharded delivery by one-sided
+writes, the peer-to-peer transport interface, bucket
 packing and unpacking, delivery verification, the authenticated control channel, the
 sealed rendezvous store (a group's store that only the sync's processes can use), the
 blocking-call helper, bucket allocation on a device and the address helpers.
@@ -51,6 +52,8 @@ from weightsync_core.engines import (
     CollectiveBroadcastOptions,
     RingCheckpointEngine,
     RingOptions,
+    ShardedTransportEngine,
+    ShardedTransportOptions,
 )
 from weightsync_core.engines.broadcast import Collective
 from weightsync_core.errors import (
@@ -114,6 +117,8 @@ __all__ = [
     "RingCheckpointEngine",
     "RingOptions",
     "SenderAbortedError",
+    "ShardedTransportEngine",
+    "ShardedTransportOptions",
     "SpreadDeltaSender",
     "SyncProgress",
     "TransferError",

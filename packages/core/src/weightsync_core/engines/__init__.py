@@ -1,6 +1,6 @@
 """Engines shipped with core: ``naive`` (colocated), ``gloo`` (collective broadcast),
 ``gloo_sharded`` (sharded delivery point to point), and the bases device and peer-to-peer
-backends build on."""
+backends build on (``ShardedTransportEngine``: sharded delivery by one-sided writes)."""
 
 from weightsync_core.engines.broadcast import CollectiveBroadcastCheckpointEngine
 from weightsync_core.engines.gloo import GlooCheckpointEngine
@@ -10,6 +10,10 @@ from weightsync_core.engines.ring import RingCheckpointEngine
 from weightsync_core.engines.sharded_gloo import (
     ShardedGlooCheckpointEngine,
     ShardedGlooOptions,
+)
+from weightsync_core.engines.sharded_transport import (
+    ShardedTransportEngine,
+    ShardedTransportOptions,
 )
 
 __all__ = [
@@ -21,4 +25,6 @@ __all__ = [
     "RingOptions",
     "ShardedGlooCheckpointEngine",
     "ShardedGlooOptions",
+    "ShardedTransportEngine",
+    "ShardedTransportOptions",
 ]

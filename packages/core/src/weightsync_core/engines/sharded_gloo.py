@@ -169,10 +169,15 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
             who = f"{'actor' if is_actor else 'rollout'} rank {own}"
             layout = resolve_layout(self.layout_spec, shapes, who)
             exchange.agree(rank, world_size)
+            self.carry(exchange, rank)
         except BaseException:
             store.close()
             raise
         self._sync = _Sync(store, exchange, layout, own, is_actor)
+
+    def carry(self, exchange: PlanExchange, group_rank: int) -> None:
+        """Override point: how the pieces' bytes travel, set on ``exchange`` after every
+        process agreed on the plan (a collective of the group; default: gloo messages)."""
 
     def sends_weights(self) -> bool:
         """Every actor rank sends the rows it holds."""

@@ -139,8 +139,9 @@ def sharded_plan(cluster: Cluster, workload: Workload, device: str = "cpu",
                  costs: Mapping[str, EngineCosts] | None = None) -> Prediction:
     """Sharded delivery on ``cluster`` (:func:`~.topologies.sharded_delivery`: each rollout
     worker receives only its shard, from every actor rank at once), priced with nixl's
-    engine costs for ``device`` (a point-to-point engine; ``costs`` overrides). Over gloo,
-    ``gloo_sharded`` runs it; over RDMA (nixl, mooncake) no engine does yet."""
+    engine costs for ``device`` (a point-to-point engine; ``costs`` overrides): the engines
+    ``nixl_sharded`` and ``mooncake_sharded`` run it by one-sided writes, ``gloo_sharded``
+    over gloo."""
     if device not in _DEVICE_BACKENDS:
         raise ValueError(f"device must be one of {', '.join(_DEVICE_BACKENDS)}, got {device!r}")
     table = dict(MEASURED_CPU_COSTS if device == "cpu" else ASSUMED_GPU_COSTS)

@@ -1,10 +1,17 @@
 """Sharded delivery: layouts (what each actor rank holds and each rollout worker needs, a
 box per checkpoint tensor), the transfer plan built from them, and its exchange over a gloo
-group (see the core README, "Sharded delivery")."""
+group, its bytes as gloo messages or written one-sidedly through a transport (see the core
+README, "Sharded delivery")."""
 
 from weightsync_core.shards.box import Box
-from weightsync_core.shards.exchange import PlanExchange, PointToPoint
+from weightsync_core.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
 from weightsync_core.shards.layout import Layout, Shapes, fsdp_layout
+from weightsync_core.shards.one_sided import (
+    KnownReceivers,
+    Landing,
+    OneSidedCarrier,
+    RegisteredBuffer,
+)
 from weightsync_core.shards.specs import (
     LayoutSpec,
     boxes_spec,
@@ -20,10 +27,15 @@ from weightsync_core.shards.transfers import Transfer, TransferPlan
 __all__ = [
     "Box",
     "DecoderShape",
+    "KnownReceivers",
+    "Landing",
     "Layout",
     "LayoutSpec",
+    "OneSidedCarrier",
+    "PieceCarrier",
     "PlanExchange",
     "PointToPoint",
+    "RegisteredBuffer",
     "Shapes",
     "Transfer",
     "TransferPlan",

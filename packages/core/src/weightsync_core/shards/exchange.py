@@ -26,7 +26,7 @@ from weightsync_core.shards.transfers import Transfer, TransferPlan
 from weightsync_core.verification import host_checksum
 from weightsync_core.wire import MessageSealer
 
-__all__ = ["PlanExchange", "PlanSender", "PointToPoint"]
+__all__ = ["PieceCarrier", "PlanExchange", "PlanSender", "PointToPoint"]
 
 _IN_FLIGHT_BYTES = 256 << 20  # a sender waits for its sends once this much is posted
 _CHECKSUM = struct.Struct("<16sQQ")  # the plan's digest, the transfer's index, its xxh3
@@ -49,6 +49,68 @@ class PointToPoint(Protocol):
         ...
 
 
+class PieceCarrier(Protocol):
+    """How the bytes of a plan's pieces travel; their sealed checksums always travel on the
+    exchange's gloo group, after the bytes (:class:`PlanExchange` uses gloo messages unless
+    given another carrier, such as one-sided writes into the receivers' registered
+    memory)."""
+
+    def messages(self, exchange: PlanExchange, nbytes: int) -> int:
+        """Gloo messages (tags) a piece of ``nbytes`` bytes takes, its checksum not counted."""
+        ...
+
+    def send_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                   data: torch.Tensor, tag: int) -> list[Work]:
+        """Send the plan's ``index``-th piece, ``data`` (bytes), starting at gloo ``tag``;
+        returns the sends still in flight. Its checksum is sent once this returns: bytes
+        that do not travel as gloo messages must have landed by then."""
+        ...
+
+    def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                      data: torch.Tensor, tag: int) -> list[Work]:
+        """Post the receives of the plan's ``index``-th piece into ``data`` (bytes)."""
+        ...
+
+    def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                data: torch.Tensor) -> None:
+        """After the piece's receives and its checksum arrived: make ``data`` hold its bytes
+        (a copy out of memory peers can write, checked after this)."""
+        ...
+
+
+class GlooCarrier:
+    """Pieces as gloo messages of at most the exchange's ``chunk_bytes`` each."""
+
+    def messages(self, exchange: PlanExchange, nbytes: int) -> int:
+        return exchange.chunks(nbytes)
+
+    def send_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                   data: torch.Tensor, tag: int) -> list[Work]:
+        peer = exchange.actor_ranks + transfer.receiver
+        works = []
+        for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
+            works.append(exchange.post(exchange.group.send,
+                                       data[start:start + exchange.chunk_bytes], peer, tag,
+                                       f"rollout rank {transfer.receiver}", "sending"))
+            tag += 1
+        return works
+
+    def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                      data: torch.Tensor, tag: int) -> list[Work]:
+        works = []
+        for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
+            works.append(exchange.post(exchange.group.recv,
+                                       data[start:start + exchange.chunk_bytes],
+                                       transfer.sender, tag, f"actor rank {transfer.sender}",
+                                       "receiving"))
+            tag += 1
+        return works
+
+    def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                data: torch.Tensor) -> None:
+        """The bytes were received into ``data``."""
+
+
 class PlanExchange:
     """Moves ``plan`` over ``group``, whose ranks are the actor ranks (``0 .. actor_ranks -
     1``) then the rollout workers (rollout rank ``r`` is group rank ``actor_ranks + r``).
@@ -57,7 +119,8 @@ class PlanExchange:
     :meth:`send` with its shards, a rollout worker iterates :meth:`receive`. A piece larger
     than ``chunk_bytes`` travels in chunks; each piece is followed by its checksum (xxh3,
     with the plan's digest and the piece's index, sealed by ``sealer``), which the receiver
-    opens and checks before the piece is placed.
+    opens and checks before the piece is placed. The bytes travel as gloo messages unless
+    :meth:`use_carrier` names another :class:`PieceCarrier`.
 
     Args:
         group: the gloo group.
@@ -88,11 +151,29 @@ class PlanExchange:
         self._frame_bytes = len(self.sealed_checksum(0, 0))
         """Bytes of a sealed checksum frame (the same for every piece)."""
         self.timeout = timedelta(seconds=timeout)
+        self.seconds = timeout
         self._first_tag: list[int] = []
+        self.free_tag = 0
+        """The first gloo tag the plan's messages leave unused (for a carrier's own)."""
+        self.use_carrier(GlooCarrier())
+
+    def use_carrier(self, carrier: PieceCarrier) -> None:
+        """Move the pieces' bytes with ``carrier`` (every process of the group alike)."""
+        self.carrier = carrier
+        self._first_tag = []
         tag = 0
-        for transfer in plan.transfers:  # every process numbers the messages alike
+        for transfer in self.plan.transfers:  # every process numbers the messages alike
             self._first_tag.append(tag)
-            tag += self._chunks(transfer) + 1
+            tag += carrier.messages(self, self.piece_bytes(transfer)) + 1
+        self.free_tag = tag
+
+    def piece_bytes(self, transfer: Transfer) -> int:
+        """Bytes of ``transfer``'s piece as it travels."""
+        return transfer.box.numel * self.dtypes[transfer.name].itemsize
+
+    def chunks(self, nbytes: int) -> int:
+        """Messages (or writes) of at most ``chunk_bytes`` that ``nbytes`` bytes take."""
+        return max(1, -(-nbytes // self.chunk_bytes))
 
     def agree(self, rank_in_group: int, group_size: int) -> None:
         """Check that every process of the group holds this plan (a collective: all call it).
@@ -102,7 +183,7 @@ class PlanExchange:
         """
         mine = torch.frombuffer(bytearray(bytes.fromhex(self.plan.digest)), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(group_size)]
-        self._wait(self.group.allgather([everyone], [mine]), "every process", "agreeing")
+        self.wait(self.group.allgather([everyone], [mine]), "every process", "agreeing")
         differ = [self._name(rank) for rank, digest in enumerate(everyone)
                   if not torch.equal(digest, mine)]
         if differ:
@@ -162,19 +243,16 @@ class PlanExchange:
             yield name, out
 
     def _receive_piece(self, index: int, transfer: Transfer) -> torch.Tensor:
-        data = torch.empty(transfer.box.numel * self.dtypes[transfer.name].itemsize,
-                           dtype=torch.uint8)
+        data = torch.empty(self.piece_bytes(transfer), dtype=torch.uint8)
         tag = self.first_tag(index)
-        works = []
         peer = f"actor rank {transfer.sender}"
-        for start in range(0, max(data.numel(), 1), self.chunk_bytes):
-            works.append(self.post(self.group.recv, data[start:start + self.chunk_bytes],
-                                   transfer.sender, tag, peer, "receiving"))
-            tag += 1
+        works = self.carrier.receive_piece(self, index, transfer, data, tag)
         frame = torch.empty(self._frame_bytes, dtype=torch.uint8)
-        works.append(self.post(self.group.recv, frame, transfer.sender, tag, peer, "receiving"))
+        works.append(self.post(self.group.recv, frame, transfer.sender,
+                               tag + self.carrier.messages(self, data.numel()), peer, "receiving"))
         for work in works:
-            self._wait(work, peer, "receiving")
+            self.wait(work, peer, "receiving")
+        self.carrier.collect(self, index, transfer, data)
         where = (f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
                  f"{transfer.name!r} from actor rank {transfer.sender}")
         try:
@@ -213,10 +291,6 @@ class PlanExchange:
             grouped[transfer.name].append((index, transfer))
         return dict(grouped)
 
-    def _chunks(self, transfer: Transfer) -> int:
-        nbytes = transfer.box.numel * self.dtypes[transfer.name].itemsize
-        return max(1, -(-nbytes // self.chunk_bytes))
-
     def sealed_checksum(self, index: int, checksum: int) -> bytes:
         """The frame announcing the plan's ``index``-th piece's ``checksum``."""
         return self.sealer.seal(_CHECKSUM.pack(bytes.fromhex(self.plan.digest), index,
@@ -239,10 +313,11 @@ class PlanExchange:
     def drain(self, pending: list[tuple[Work, Transfer]], stage: str) -> None:
         """Wait for ``pending`` sends (then empties it), naming a receiver that failed."""
         for work, transfer in pending:
-            self._wait(work, f"rollout rank {transfer.receiver}", stage)
+            self.wait(work, f"rollout rank {transfer.receiver}", stage)
         pending.clear()
 
-    def _wait(self, work: Work, peer: str, stage: str) -> None:
+    def wait(self, work: Work, peer: str, stage: str) -> None:
+        """Wait for ``work`` up to the timeout, naming ``peer`` where it fails."""
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
@@ -294,12 +369,10 @@ class PlanSender:
             peer = exchange.actor_ranks + transfer.receiver
             tag = exchange.first_tag(index)
             receiver = f"rollout rank {transfer.receiver}"
-            for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
-                chunk = data[start:start + exchange.chunk_bytes]
-                self.pending.append((exchange.post(exchange.group.send, chunk, peer, tag,
-                                                   receiver, "sending"), transfer))
-                tag += 1
-                self.messages += 1
+            works = exchange.carrier.send_piece(exchange, index, transfer, data, tag)
+            self.pending.extend((work, transfer) for work in works)
+            tag += exchange.carrier.messages(exchange, data.numel())
+            self.messages += exchange.chunks(data.numel())
             frame = exchange.sealed_checksum(index, exchange.checksum(data))
             checksum = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
             self.pending.append((exchange.post(exchange.group.send, checksum, peer, tag,
