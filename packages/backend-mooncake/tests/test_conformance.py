@@ -4,6 +4,7 @@ from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ControlFrameReplayTests,
     DeltaSyncConformanceTests,
+    ShardedDeliveryConformanceTests,
 )
 
 
@@ -15,3 +16,12 @@ class TestMooncakeConformance(
 
     backend = "mooncake"
     engine_kwargs = {"protocol": "tcp"}  # noqa: RUF012
+
+
+class TestMooncakeShardedConformance(CheckpointEngineConformanceTests,
+                                     ShardedDeliveryConformanceTests):
+    """Sharded delivery with every actor rank writing its slices by Mooncake over TCP; small
+    writes, so the embedding's pieces land in several."""
+
+    backend = "mooncake_sharded"
+    engine_kwargs = {"protocol": "tcp", "chunk_megabytes": 0.004}  # noqa: RUF012

@@ -1,7 +1,8 @@
 """What an outsider on the network can do to Mooncake's registered memory, which Mooncake
 exposes to anyone who reaches its ports (it binds every interface and asks no credentials):
-single stray writes into a rollout worker's receive slot at random moments of a sync never
-pass as success, and between syncs the slots hold no weights to read."""
+single stray writes into a rollout worker's receive slot (``mooncake``) or landing buffer
+(``mooncake_sharded``) at random moments of a sync never pass as success, and between syncs
+they hold no weights to read."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ WRITER = Path(__file__).with_name("stray_writer.py")
 SYNCS = 50
 
 
-@pytest.fixture(scope="module")
-def harness():
+@pytest.fixture(scope="module", params=["mooncake", "mooncake_sharded"])
+def harness(request):
     ensure_ray(num_cpus=2)
     config = CheckpointEngineConfig(
-        backend="mooncake", update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
-        engine_kwargs={"mooncake": {"protocol": "tcp"}},
+        backend=request.param, update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
+        engine_kwargs={request.param: {"protocol": "tcp"}},
     )
     deployment = SyncHarness(config, actor_world_size=1, replica_sizes=(1, 1))
     yield deployment
@@ -86,8 +87,8 @@ def test_single_stray_writes_into_a_slot_never_pass_as_success(harness, outsider
             landed += outsider.stdout.readline().split()[-1] == "0"
     finally:
         ray.get([worker.set_faults.remote() for worker in workers])
-    print(f"\n[mooncake] {landed} stray 4 KiB writes landed over {SYNCS} syncs: {failed} "
-          f"syncs failed, {len(silent)} succeeded with wrong weights")
+    print(f"\n[{harness.config.backend}] {landed} stray 4 KiB writes landed over {SYNCS} "
+          f"syncs: {failed} syncs failed, {len(silent)} succeeded with wrong weights")
     assert landed >= SYNCS // 2, "the outsider's writes did not land"
     assert not silent, f"syncs reported success with wrong weights: {silent[:3]}"
 

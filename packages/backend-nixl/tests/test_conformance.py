@@ -4,6 +4,7 @@ from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ControlFrameReplayTests,
     DeltaSyncConformanceTests,
+    ShardedDeliveryConformanceTests,
 )
 
 
@@ -14,3 +15,12 @@ class TestNixlConformance(
 
     backend = "nixl"
     engine_kwargs = {"device": "cpu", "ucx_transports": "tcp"}  # noqa: RUF012
+
+
+class TestNixlShardedConformance(CheckpointEngineConformanceTests,
+                                 ShardedDeliveryConformanceTests):
+    """Sharded delivery with every actor rank writing its slices by NIXL over TCP; small
+    writes, so the embedding's pieces land in several."""
+
+    backend = "nixl_sharded"
+    engine_kwargs = {"ucx_transports": "tcp", "chunk_megabytes": 0.004}  # noqa: RUF012

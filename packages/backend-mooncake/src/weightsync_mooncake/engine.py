@@ -1,4 +1,6 @@
-"""The ``mooncake`` engine: core's pipelined ring with buckets moved by Mooncake writes."""
+"""The ``mooncake`` engine (core's pipelined ring with buckets moved by Mooncake writes) and
+the ``mooncake_sharded`` engine (sharded delivery: every actor rank writes its slices by
+Mooncake)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,13 @@ from typing import Any
 from weightsync_core.spi import (
     CheckpointEngineRegistry,
     RingCheckpointEngine,
+    ShardedTransportEngine,
     default_host,
 )
-from weightsync_mooncake.options import MooncakeOptions
+from weightsync_mooncake.options import MooncakeOptions, MooncakeShardedOptions
 from weightsync_mooncake.transport import MooncakeTransport
 
-__all__ = ["MooncakeCheckpointEngine"]
+__all__ = ["MooncakeCheckpointEngine", "MooncakeShardedCheckpointEngine"]
 
 
 @CheckpointEngineRegistry.register("mooncake")
@@ -40,3 +43,21 @@ class MooncakeCheckpointEngine(RingCheckpointEngine):
 
     def create_transport(self) -> MooncakeTransport:
         return MooncakeTransport(self.host or default_host(), self.protocol, self.device_name)
+
+
+@CheckpointEngineRegistry.register("mooncake_sharded")
+class MooncakeShardedCheckpointEngine(ShardedTransportEngine):
+    """Sharded delivery over Mooncake Transfer Engine: every rollout worker receives only
+    the slices its layout declares, written by the actor ranks that hold them, all at once
+    (core's :class:`~weightsync_core.spi.ShardedTransportEngine`).
+
+    Options: :class:`~weightsync_mooncake.options.MooncakeShardedOptions`, given as
+    ``engine_kwargs={"mooncake_sharded": {...}}``.
+    """
+
+    options_class = MooncakeShardedOptions
+    options: MooncakeShardedOptions  # pyright: ignore[reportIncompatibleVariableOverride]  # built from options_class
+
+    def create_transport(self) -> MooncakeTransport:
+        return MooncakeTransport(self.host or default_host(), self.options.protocol,
+                                 self.options.device_name)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightsync_core.spi import EngineOptions, RingOptions
+from weightsync_core.spi import EngineOptions, RingOptions, ShardedTransportOptions
 
-__all__ = ["MooncakeOptions", "TransferEngineOptions"]
+__all__ = ["MooncakeOptions", "MooncakeShardedOptions", "TransferEngineOptions"]
 
 
 @dataclass(frozen=True)
 class TransferEngineOptions(EngineOptions):
-    """How a process opens Mooncake Transfer Engine (shared by ``mooncake`` and ``kimi``).
+    """How a process opens Mooncake Transfer Engine (shared by ``mooncake``,
+    ``mooncake_sharded`` and ``kimi``).
 
     Attributes:
         protocol: Transfer Engine protocol: ``"tcp"`` (default), ``"rdma"``, ``"efa"``,
@@ -33,4 +34,11 @@ class TransferEngineOptions(EngineOptions):
 class MooncakeOptions(RingOptions, TransferEngineOptions):
     """Options of the ``mooncake`` engine: the ring's (``device``, ``host``, ``slots``,
     ``keep_buffers``, ``rebuild_group``) and Transfer Engine's (``protocol``,
+    ``device_name``)."""
+
+
+@dataclass(frozen=True)
+class MooncakeShardedOptions(ShardedTransportOptions, TransferEngineOptions):
+    """Options of the ``mooncake_sharded`` engine: sharded delivery's (``device``, ``host``,
+    ``chunk_megabytes``, ``group_init_timeout``) and Transfer Engine's (``protocol``,
     ``device_name``)."""

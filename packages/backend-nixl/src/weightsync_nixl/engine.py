@@ -1,18 +1,26 @@
-"""The ``nixl`` engine: core's pipelined ring with buckets moved by NIXL writes."""
+"""The ``nixl`` engine (core's pipelined ring with buckets moved by NIXL writes) and the
+``nixl_sharded`` engine (sharded delivery: every actor rank writes its slices by NIXL)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from weightsync_core.spi import (
     CheckpointEngineRegistry,
     RingCheckpointEngine,
+    ShardedTransportEngine,
     default_host,
 )
-from weightsync_nixl.options import NixlOptions
+from weightsync_nixl.options import NixlAgentOptions, NixlOptions, NixlShardedOptions
 from weightsync_nixl.transport import NixlTransport
 
-__all__ = ["NixlCheckpointEngine"]
+__all__ = ["NixlCheckpointEngine", "NixlShardedCheckpointEngine", "open_agent"]
+
+
+def open_agent(options: NixlAgentOptions, host: str | None) -> NixlTransport:
+    """This process's NIXL agent as ``options`` describe it, on ``host`` (default: this
+    process's address)."""
+    return NixlTransport(options.plugin, options.plugin_init_params(), options.environment(),
+                         options.num_threads, host or default_host(),
+                         options.progress_delay_us)
 
 
 @CheckpointEngineRegistry.register("nixl")
@@ -30,13 +38,22 @@ class NixlCheckpointEngine(RingCheckpointEngine):
     # narrowing it is reported although nothing assigns another type.
     options: NixlOptions  # pyright: ignore[reportIncompatibleVariableOverride]  # built from options_class
 
-    def __init__(self, bucket_size: int, **kwargs: Any) -> None:
-        super().__init__(bucket_size, **kwargs)
-        self.plugin = self.options.plugin
-        self.plugin_params = self.options.plugin_init_params()
-        self.env = self.options.environment()
-        self.num_threads = self.options.num_threads
+    def create_transport(self) -> NixlTransport:
+        return open_agent(self.options, self.host)
+
+
+@CheckpointEngineRegistry.register("nixl_sharded")
+class NixlShardedCheckpointEngine(ShardedTransportEngine):
+    """Sharded delivery over NIXL: every rollout worker receives only the slices its layout
+    declares, written by the actor ranks that hold them, all at once (core's
+    :class:`~weightsync_core.spi.ShardedTransportEngine`).
+
+    Options: :class:`~weightsync_nixl.options.NixlShardedOptions`, given as
+    ``engine_kwargs={"nixl_sharded": {...}}``.
+    """
+
+    options_class = NixlShardedOptions
+    options: NixlShardedOptions  # pyright: ignore[reportIncompatibleVariableOverride]  # built from options_class
 
     def create_transport(self) -> NixlTransport:
-        return NixlTransport(self.plugin, self.plugin_params, self.env, self.num_threads,
-                             self.host or default_host(), self.options.progress_delay_us)
+        return open_agent(self.options, self.host)

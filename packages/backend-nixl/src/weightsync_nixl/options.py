@@ -9,11 +9,15 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from weightsync_core.spi import (
-    RingOptions,
-)
+from weightsync_core.spi import EngineOptions, RingOptions, ShardedTransportOptions
 
-__all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlOptions", "available_plugins"]
+__all__ = [
+    "DEFAULT_PROGRESS_DELAY_US",
+    "NixlAgentOptions",
+    "NixlOptions",
+    "NixlShardedOptions",
+    "available_plugins",
+]
 
 DEFAULT_PROGRESS_DELAY_US = 1000
 """How long a NIXL agent's progress thread waits for network events between passes (µs)."""
@@ -62,9 +66,8 @@ def _check_plugin(plugin: str) -> None:
 
 
 @dataclass(frozen=True)
-class NixlOptions(RingOptions):
-    """Options of the ``nixl`` engine, on top of the ring's (``device``, ``host``, ``slots``,
-    ``keep_buffers``, ``rebuild_group``).
+class NixlAgentOptions(EngineOptions):
+    """How a process opens its NIXL agent (shared by ``nixl`` and ``nixl_sharded``).
 
     Attributes:
         plugin: NIXL backend plugin (``"UCX"``; ``"LIBFABRIC"`` on EFA, ...); where NIXL is
@@ -82,9 +85,6 @@ class NixlOptions(RingOptions):
             events between passes, in microseconds (events wake it at once). 0 polls
             without pause: a CPU core busy for the agent's whole life, for a few
             microseconds less latency per message.
-
-    ``device="cuda"`` needs a CUDA build of torch and UCX with CUDA support, which the
-    nixl-cu12/cu13 wheels include.
     """
 
     plugin: str = "UCX"
@@ -126,3 +126,21 @@ class NixlOptions(RingOptions):
         if self.ucx_transports is not None:
             env["UCX_TLS"] = self.ucx_transports
         return env
+
+
+@dataclass(frozen=True)
+class NixlOptions(RingOptions, NixlAgentOptions):
+    """Options of the ``nixl`` engine: the ring's (``device``, ``host``, ``slots``,
+    ``keep_buffers``, ``rebuild_group``) and the agent's (:class:`NixlAgentOptions`:
+    ``plugin``, ``ucx_transports``, ...).
+
+    ``device="cuda"`` needs a CUDA build of torch and UCX with CUDA support, which the
+    nixl-cu12/cu13 wheels include.
+    """
+
+
+@dataclass(frozen=True)
+class NixlShardedOptions(ShardedTransportOptions, NixlAgentOptions):
+    """Options of the ``nixl_sharded`` engine: sharded delivery's (``device``, ``host``,
+    ``chunk_megabytes``, ``group_init_timeout``) and the agent's
+    (:class:`NixlAgentOptions`)."""
