@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import ray
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "DiscardingServerAdapter",
     "Placement",
     "UniformWeightsSource",
+    "WorkerPlacement",
 ]
 
 
@@ -44,6 +45,16 @@ class Placement(Protocol):
 
     def replica_options(self, index: int) -> dict[str, Any]:
         """Options of every worker of the ``index``-th replica the deployment starts."""
+        ...
+
+
+@runtime_checkable
+class WorkerPlacement(Placement, Protocol):
+    """A :class:`Placement` that places each worker of a replica on its own (every process
+    on a host of its own, as GPU hosts with a NIC per GPU are modelled)."""
+
+    def worker_options(self, index: int, worker: int) -> dict[str, Any]:
+        """Options of worker ``worker`` of the ``index``-th replica the deployment starts."""
         ...
 
 
@@ -147,11 +158,21 @@ class Deployment:
         return [*self.actors, *(w for replica in chosen for w in replica.workers)]
 
     def new_replica(self, size: int, name: str | None = None) -> RayRolloutReplica:
-        """Start a replica of ``size`` rollout workers (on one host, if placed)."""
+        """Start a replica of ``size`` rollout workers (on one host, if placed; each on its
+        own where the placement is a :class:`WorkerPlacement`)."""
         index, self._replicas_started = self._replicas_started, self._replicas_started + 1
-        placed = self.placement.replica_options(index) if self.placement else {}
-        worker = ray.remote(self.worker_class).options(**{**self.actor_options, **placed})
-        return RayRolloutReplica([worker.remote(self.config) for _ in range(size)], name=name)
+        worker = ray.remote(self.worker_class)
+        return RayRolloutReplica(
+            [worker.options(**{**self.actor_options, **self._placed(index, rank)}).remote(
+                self.config) for rank in range(size)], name=name)
+
+    def _placed(self, index: int, worker: int) -> dict[str, Any]:
+        """The placement's options of worker ``worker`` of the ``index``-th replica."""
+        if self.placement is None:
+            return {}
+        if isinstance(self.placement, WorkerPlacement):
+            return self.placement.worker_options(index, worker)
+        return self.placement.replica_options(index)
 
     def manager(
         self, replicas: Sequence[RayRolloutReplica] | None = None, **config_overrides: Any

@@ -326,7 +326,9 @@ class CheckpointEngineWorker:
     def _declare_layout(self) -> None:
         """Hand the engine what this worker's server needs (its adapter's optional
         ``weight_layout()``: a :data:`~weightsync_core.shards.LayoutSpec`, None for every
-        tensor whole) where the engine delivers layouts.
+        tensor whole) where the engine delivers layouts. An adapter whose
+        ``takes_whole_weights`` is true (a vLLM tensor-parallel worker, whose loaders keep
+        its shard of a whole tensor) receives every tensor whole from other engines.
 
         Raises:
             WeightSyncError: the server needs only part of the weights, but the engine
@@ -337,11 +339,13 @@ class CheckpointEngineWorker:
         engine = self.checkpoint_engine
         if getattr(engine, "executes_layouts", False):
             engine.declare_layout(layout)
-        elif layout is not None:
+        elif layout is not None and not getattr(self.server_adapter, "takes_whole_weights",
+                                                False):
             raise WeightSyncError(
                 f"{type(self.server_adapter).__name__} needs only part of the weights (its "
                 f"weight_layout() is {layout!r}), but backend {self.config.backend!r} delivers "
-                "every tensor whole; use backend 'gloo_sharded'")
+                "every tensor whole; use backend 'gloo_sharded', 'nixl_sharded' or "
+                "'mooncake_sharded'")
 
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
