@@ -1,7 +1,8 @@
 """A vLLM replica with ``tensor_parallel_size=2`` on CPU (its two vLLM workers in processes of
 their own): each worker is one rank of the sync and receives a full copy, vLLM's loaders keep
 its shard, and the greedy tokens after each sync equal Hugging Face's on the same weights
-(three syncs in a row over gloo, one over nixl). A sync that fails on both workers leaves a
+(three syncs in a row over gloo, one over nixl). Over a sharded backend each worker receives
+only its own slices (about half the model). A sync that fails on both workers leaves a
 replica that refuses to serve, and the next sync recovers it (vLLM's executor would otherwise
 answer later calls with the failed call's replies). The actor put in a plain
 ``RayRolloutReplica`` is refused before any byte moves, naming ``VLLMReplica``. For vLLM's
@@ -43,6 +44,27 @@ def test_each_vllm_worker_of_a_tp2_replica_is_a_rank_and_tokens_equal_hf(
 
         # a worker that missed the sync would serve its shard of the old weights
         assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+
+
+@pytest.mark.parametrize("backend", ["gloo_sharded", "nixl_sharded"])
+def test_a_sharded_sync_sends_each_worker_of_a_tp2_replica_its_half_and_tokens_equal_hf(
+    backend, rollout, source
+):
+    """Each vLLM worker declares its tensor-parallel slices (Qwen2 as vLLM shards it; the
+    test model's one KV head is replicated on both) and receives only those, which vLLM's
+    loaders take from a tensor of the checkpoint's shape rebuilt around them."""
+    replica = VLLMReplica(rollout, tensor_parallel_size=2)
+    whole = ray.get(source.actor.weights_bytes.remote())
+    for _ in range(2):
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        source.sync_into(rollout, backend, replica=replica)
+        assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+
+    received = [ray.get(rollout.last_update_stats.remote(worker))["nbytes"] for worker in (0, 1)]
+    print(f"{backend}: a full copy is {whole} bytes; the TP=2 workers received {received} "
+          f"({', '.join(f'{nbytes / whole:.0%}' for nbytes in received)})")
+    # half of every split tensor, plus the replicated norms and the one KV head
+    assert all(0.5 * whole < nbytes < 0.6 * whole for nbytes in received), received
 
 
 def test_a_tp2_actor_in_a_plain_replica_is_refused_naming_vllm_replica(rollout, source):

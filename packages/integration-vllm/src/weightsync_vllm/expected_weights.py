@@ -99,6 +99,10 @@ class ExpectedWeights:
             optional["lm_head.weight"] = tied_head
         return cls(required, optional, f"the checkpoint in {directory}")
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, required and optional, by name."""
+        return {name: spec.shape for name, spec in {**self.optional, **self.required}.items()}
+
     def check(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse ``tensor`` before it is loaded if the model has no tensor ``name`` or
         holds it with another shape or dtype.

@@ -88,6 +88,11 @@ class ModelWeightsSource(ActorCheckpointEngineMixin):
         save_file({name: tensor.contiguous() for name, tensor in self.iter_weights()}, path)
         return str(path)
 
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every parameter's shape and dtype, in the model's order (what sharded backends
+        plan with)."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every parameter, in the model's order."""
         yield from ((name, p.detach()) for name, p in self.model.named_parameters())

@@ -90,7 +90,8 @@ class VLLMRolloutWorkerBase:
         self.update_complete = True
         self.paused = False
         self._transfer_ready = False
-        self.last_update: dict[str, float] = {}
+        self.last_updates: list[dict[str, float]] = []
+        """What the last complete update moved into each vLLM worker, in rank order."""
         self._serving = asyncio.Lock()  # generation and weight updates take turns
 
     @staticmethod
@@ -208,13 +209,15 @@ class VLLMRolloutWorkerBase:
             self.weights_version = global_steps
             self.update_complete = True
         stats = await self._rpc_all("weightsync_last_stats")
-        self.last_update = stats[0]
+        self.last_updates = stats
         return stats
 
-    def last_update_stats(self) -> dict[str, float]:
-        """What the last complete update moved and the seconds vLLM spent loading it
-        (``load_seconds`` in ``load_weights``, ``finish_seconds`` processing at the end)."""
-        return dict(self.last_update)
+    def last_update_stats(self, worker: int = 0) -> dict[str, float]:
+        """What the last complete update moved into vLLM worker ``worker`` (its
+        tensor-parallel rank: ``nbytes``, ``num_tensors``, ...) and the seconds vLLM spent
+        loading it (``load_seconds`` in ``load_weights``, ``finish_seconds`` processing at
+        the end); empty before the first."""
+        return dict(self.last_updates[worker]) if self.last_updates else {}
 
     def weights_status(self) -> dict[str, Any]:
         """``{"version": ..., "complete": ...}`` of the weights this worker serves."""

@@ -32,11 +32,13 @@ from weightsync_core import (
     WeightSyncError,
     convert,
 )
+from weightsync_core.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread
 from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of
 from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
 from weightsync_vllm.rendezvous import Arguments, Joined, RendezvousMessage
+from weightsync_vllm.shard_layout import tensor_parallel_layout_spec, whole_tensor
 
 __all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
@@ -110,12 +112,35 @@ class _ModelLoader:
     """The server adapter of a vLLM worker: hands each received tensor to
     ``model.load_weights`` of the engine's current target model, after checking it against
     what the model holds (when that is known); a stream that missed one of the model's
-    tensors fails at its end."""
+    tensors fails at its end.
+
+    A worker of a tensor-parallel engine declares the slices it needs (:meth:`weight_layout`)
+    to backends that deliver layouts, and rebuilds each received piece into a tensor of the
+    checkpoint's shape for ``load_weights``, which keeps exactly that piece; from other
+    backends it takes every tensor whole (``takes_whole_weights``)."""
+
+    takes_whole_weights = True
 
     def __init__(self, engine: WeightsyncTransferEngine) -> None:
         self.engine = engine
         self.load_seconds = 0.0
         """Seconds the last update spent in ``load_weights``."""
+
+    def weight_layout(self) -> LayoutSpec | None:
+        """This worker's slices of a Qwen2/Llama model under tensor parallelism (None: every
+        tensor whole; also where the checkpoint's shapes are unknown, since the loader
+        rebuilds whole tensors from them)."""
+        if self.engine.expected_weights() is None:
+            return None
+        return self.engine.layout_spec()
+
+    def _needed_boxes(self, expected: ExpectedWeights | None) -> Layout | None:
+        """The boxes this sync delivers, where the engine delivers the declared layout."""
+        spec = self.weight_layout()
+        if (expected is None or spec is None
+                or not getattr(self.engine.worker.checkpoint_engine, "executes_layouts", False)):
+            return None
+        return resolve_layout(spec, expected.shapes(), "this vLLM worker")
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
@@ -127,10 +152,14 @@ class _ModelLoader:
                 "weightsync loads received tensors through it"
             )
         expected = self.engine.expected_weights()
+        needed = self._needed_boxes(expected)
+        shapes = expected.shapes() if expected is not None else {}
         received: set[str] = set()
         self.load_seconds = 0.0
         async for name, tensor in weights:
             if expected is not None:
+                if needed is not None and name in needed.boxes:
+                    tensor = whole_tensor(name, tensor, needed.boxes[name], shapes[name])
                 expected.check(name, tensor)
             start = time.perf_counter()
             try:
@@ -179,6 +208,15 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         (``None`` when unknown: a model vLLM did not load from a local checkpoint, or a
         draft model)."""
         return self._expected if self.model is self._default_model else None
+
+    def layout_spec(self) -> LayoutSpec | None:
+        """What this vLLM worker needs of the checkpoint: its tensor-parallel slices of a
+        Qwen2/Llama model, None (every tensor whole) otherwise."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        size = self.parallel_config.tensor_parallel_size
+        rank = get_tensor_model_parallel_rank() if size > 1 else 0
+        return tensor_parallel_layout_spec(self.model_config.hf_config, size, rank)
 
     @property
     def worker(self) -> CheckpointEngineWorker:

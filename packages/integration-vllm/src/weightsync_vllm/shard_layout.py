@@ -1,0 +1,72 @@
+"""What one worker of a tensor-parallel vLLM engine needs of each checkpoint tensor, as a
+layout sharded backends deliver (``gloo_sharded``, ``nixl_sharded``, ``mooncake_sharded``),
+and the whole tensor rebuilt around a received piece for vLLM's loaders, which cut the
+worker's shard out of a whole checkpoint tensor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from weightsync_core import VerificationError
+from weightsync_core.shards import (
+    Box,
+    DecoderShape,
+    LayoutSpec,
+    tensor_parallel_spec,
+)
+
+__all__ = ["SHARDED_ARCHITECTURES", "tensor_parallel_layout_spec", "whole_tensor"]
+
+logger = logging.getLogger(__name__)
+
+SHARDED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
+"""Models whose tensor-parallel split core's
+:func:`~weightsync_core.shards.decoder_tensor_parallel_layout` follows; workers of other
+models receive every tensor whole."""
+
+
+def tensor_parallel_layout_spec(hf_config: Any, tp_size: int, tp_rank: int
+                                ) -> LayoutSpec | None:
+    """What tensor-parallel rank ``tp_rank`` of ``tp_size`` needs of the model of
+    ``hf_config`` (a Hugging Face config), or None (every tensor whole) with one worker or a
+    model of another family than :data:`SHARDED_ARCHITECTURES`."""
+    if tp_size == 1:
+        return None
+    architectures = set(getattr(hf_config, "architectures", None) or ())
+    if not architectures & SHARDED_ARCHITECTURES:
+        logger.info("weightsync: %s is not of %s; each worker receives whole tensors",
+                    sorted(architectures), sorted(SHARDED_ARCHITECTURES))
+        return None
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = int(text.num_attention_heads)
+    model = DecoderShape(
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        intermediate_size=int(text.intermediate_size),
+    )
+    return tensor_parallel_spec(model, tp_size, tp_rank)
+
+
+def whole_tensor(name: str, piece: torch.Tensor, box: Box, shape: tuple[int, ...]
+                 ) -> torch.Tensor:
+    """A tensor of the checkpoint's ``shape`` holding ``piece`` at ``box`` (zeros elsewhere,
+    which vLLM's loader of this worker's shard never reads); ``piece`` itself when it is the
+    whole tensor.
+
+    Raises:
+        VerificationError: ``piece`` is not of its box's shape, naming the tensor.
+    """
+    if tuple(piece.shape) == tuple(shape):
+        return piece
+    if tuple(piece.shape) != box.shape:
+        raise VerificationError(
+            f"tensor {name!r} arrived as a piece of shape {list(piece.shape)}, but this vLLM "
+            f"worker needs rows/columns {list(box.ranges)} of its {list(shape)}; refused "
+            "before loading it", tensors=[name])
+    whole = piece.new_zeros(shape)
+    box.cut(whole).copy_(piece)
+    return whole
