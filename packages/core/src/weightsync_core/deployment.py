@@ -22,6 +22,7 @@ from weightsync_core.manager import CheckpointEngineManager
 from weightsync_core.plugins import load_custom_backend_module
 from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.shards import LayoutSpec, resolve_layout
 from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
 __all__ = [
@@ -59,7 +60,18 @@ class WorkerPlacement(Placement, Protocol):
 
 
 class DiscardingServerAdapter:
-    """A stand-in inference server that consumes every received tensor and keeps none."""
+    """A stand-in inference server that consumes every received tensor and keeps none.
+
+    Attributes:
+        layout: what it needs, for engines that deliver layouts (None: every tensor whole).
+    """
+
+    def __init__(self) -> None:
+        self.layout: LayoutSpec | None = None
+
+    def weight_layout(self) -> LayoutSpec | None:
+        """What this server needs (:attr:`layout`)."""
+        return self.layout
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
@@ -72,7 +84,13 @@ class DiscardingRolloutWorker(CheckpointEngineWorker):
     """Rollout worker whose server adapter is a :class:`DiscardingServerAdapter`."""
 
     def __init__(self, config: CheckpointEngineConfig) -> None:
-        super().__init__(config, DiscardingServerAdapter())
+        self.discarding_adapter = DiscardingServerAdapter()
+        super().__init__(config, self.discarding_adapter)
+
+    def set_layout(self, layout: LayoutSpec | None) -> None:
+        """Need only ``layout`` of every tensor from the next sync on (engines that deliver
+        layouts; None: every tensor whole)."""
+        self.discarding_adapter.layout = layout
 
 
 class UniformWeightsSource(ActorCheckpointEngineMixin):
@@ -81,7 +99,24 @@ class UniformWeightsSource(ActorCheckpointEngineMixin):
 
     def __init__(self, config: CheckpointEngineConfig) -> None:
         self.weights: dict[str, torch.Tensor] = {}
+        self.layout: LayoutSpec | None = None
         self.init_checkpoint_engine(config, DiscardingServerAdapter())
+
+    def set_layout(self, layout: LayoutSpec | None) -> None:
+        """Hold only ``layout`` of every tensor (an FSDP rank's rows, say) for engines that
+        deliver layouts; None: every tensor whole."""
+        self.layout = layout
+
+    def weight_layout(self) -> LayoutSpec | None:
+        return self.layout
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in self.weights.items()}
+
+    def iter_weight_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        shapes = {name: tuple(tensor.shape) for name, tensor in self.weights.items()}
+        held = resolve_layout(self.layout, shapes, "this actor rank")
+        return ((name, box.cut(self.weights[name])) for name, box in held.boxes.items())
 
     def set_uniform_weights(self, total_bytes: int, num_tensors: int) -> int:
         """Replace the weights by ``num_tensors`` equal float32 tensors of at most
