@@ -9,12 +9,13 @@ across host boundaries. Needs root and iproute2; see :func:`check_available`.
 from weightsync_testbed.claim import TestbedBusyError
 from weightsync_testbed.cluster import host_resource
 from weightsync_testbed.network import Link, TestbedUnavailableError, check_available
-from weightsync_testbed.placement import HostPlacement, on_host
+from weightsync_testbed.placement import HostPlacement, SpreadPlacement, on_host
 from weightsync_testbed.testbed import Testbed, cleanup
 
 __all__ = [
     "HostPlacement",
     "Link",
+    "SpreadPlacement",
     "Testbed",
     "TestbedBusyError",
     "TestbedUnavailableError",

@@ -1,7 +1,7 @@
 """The ``weightsync-testbed`` command: bring a testbed up, clean up after a crashed one, run
-the line-rate benchmark (also reachable as ``weightsync bench --testbed``) or the delta-sync
-benchmark across a link, fit engine costs from saved runs, or print saved runs beside the
-current cost model's predictions."""
+the line-rate benchmark (also reachable as ``weightsync bench --testbed``), the delta-sync
+benchmark across a link or the sharded-delivery benchmark, fit engine costs from saved
+runs, or print saved runs beside the current cost model's predictions."""
 
 from __future__ import annotations
 
@@ -107,6 +107,24 @@ def _delta(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sharded(args: argparse.Namespace) -> int:
+    """Sharded delivery against full copies, every process on a host of its own."""
+    from weightsync_testbed.sharded_bench import run_sharded_bench
+
+    layouts = []
+    for item in args.layouts.split(","):
+        actors, _, tp = item.partition("x")
+        layouts.append((int(actors), int(tp)))
+    report = run_sharded_bench(
+        layouts, args.size_mb, Link(args.link), args.bucket_mb, args.repeats,
+        sharded=args.sharded.split(","), full_copy=args.full_copy.split(","))
+    print(report.markdown())
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report.as_dict(), indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     with Testbed(hosts=args.hosts.split(","), link=Link(args.link), prefix=args.prefix,
                  connect=False) as testbed:
@@ -156,6 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "of the bf16 elements change)")
     delta.add_argument("--json-out", help="also write the result as JSON to this file")
     delta.set_defaults(run=_delta)
+    sharded = commands.add_parser(
+        "sharded", help="sharded delivery against full copies: actor hosts into replicas of "
+        "TP workers, every process on a host of its own")
+    sharded.add_argument("--layouts", default="2x2,4x4",
+                         help="AxTP,...: A actor hosts into 2 replicas of TP workers")
+    sharded.add_argument("--size-mb", type=int, default=256, help="float32 weights (MiB)")
+    sharded.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    sharded.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
+    sharded.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
+    sharded.add_argument("--sharded", default="nixl_sharded",
+                         help="sharded backends, comma-separated")
+    sharded.add_argument("--full-copy", default="mooncake,mooncake:8,nixl,gloo",
+                         help="full-copy backends to compare with, comma-separated; "
+                         "BACKEND:MiB uses buckets of that size")
+    sharded.add_argument("--json-out", help="also write the result as JSON to this file")
+    sharded.set_defaults(run=_sharded)
     fit = commands.add_parser(
         "fit", help="fit each backend's engine costs from the 1-host cells of saved runs")
     fit.add_argument("runs", nargs="+", help="testbed-bench.json files")

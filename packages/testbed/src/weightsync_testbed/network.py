@@ -17,6 +17,7 @@ for benchmarks). Faults (:meth:`Network.link_down`, :meth:`Network.set_loss`,
 from __future__ import annotations
 
 import ipaddress
+import json
 import shutil
 import subprocess
 import zlib
@@ -27,6 +28,7 @@ __all__ = [
     "BENCHMARK_NETWORK",
     "Link",
     "Network",
+    "NicBytes",
     "TestbedUnavailableError",
     "check_available",
     "leftovers",
@@ -100,6 +102,17 @@ def check_available() -> None:
     if result.returncode != 0:
         raise TestbedUnavailableError(f"cannot create network namespaces: {result.stderr.strip()}")
     _run("ip", "netns", "del", probe, check=False)
+
+
+@dataclass(frozen=True)
+class NicBytes:
+    """Bytes a host's NIC has sent and received since it was created (Ethernet frames)."""
+
+    sent: int
+    received: int
+
+    def __sub__(self, earlier: NicBytes) -> NicBytes:
+        return NicBytes(self.sent - earlier.sent, self.received - earlier.received)
 
 
 @dataclass
@@ -225,6 +238,13 @@ class Network:
         except KeyError:
             hosts = list(self.hosts)
             raise KeyError(f"no host {name!r} in this testbed (hosts: {hosts})") from None
+
+    def nic_bytes(self, host: str) -> NicBytes:
+        """What ``host``'s NIC has carried (its ``eth0`` counters)."""
+        shown = _run("ip", "-n", self.namespace(host), "-j", "-s", "link", "show", "dev",
+                     "eth0").stdout
+        stats = json.loads(shown)[0]["stats64"]
+        return NicBytes(int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"]))
 
     # -- shaping and faults --------------------------------------------------------------------
     def shape(self, host: str, link: Link) -> None:

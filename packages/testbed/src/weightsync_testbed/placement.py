@@ -7,7 +7,7 @@ from typing import Any
 
 from weightsync_testbed.cluster import host_resource
 
-__all__ = ["HostPlacement", "on_host"]
+__all__ = ["HostPlacement", "SpreadPlacement", "on_host"]
 
 
 def on_host(host: str) -> dict[str, Any]:
@@ -44,3 +44,33 @@ class HostPlacement:
     def replica_options(self, index: int) -> dict[str, Any]:
         """Ray options of every worker of the ``index``-th replica."""
         return on_host(self.replica_host(index))
+
+
+@dataclass(frozen=True)
+class SpreadPlacement:
+    """Every process on a host of its own: actor rank ``r`` on ``actors[r]``, worker ``w`` of
+    the ``i``-th replica started on ``workers[i * workers_per_replica + w]`` (GPU hosts with
+    a NIC per GPU, each inference rank on its own NIC). Implements the deployment's
+    per-worker placement hook (:class:`weightsync_core.deployment.WorkerPlacement`)."""
+
+    actors: list[str]
+    workers: list[str]
+    workers_per_replica: int
+
+    def __post_init__(self) -> None:
+        if not self.actors or not self.workers or self.workers_per_replica < 1:
+            raise ValueError("place actor ranks and workers on at least one host each, and "
+                             "give replicas at least one worker")
+
+    def actor_options(self, rank: int) -> dict[str, Any]:
+        """Ray options of actor rank ``rank``."""
+        return on_host(self.actors[rank % len(self.actors)])
+
+    def replica_options(self, index: int) -> dict[str, Any]:
+        """Ray options of the ``index``-th replica's first worker."""
+        return self.worker_options(index, 0)
+
+    def worker_options(self, index: int, worker: int) -> dict[str, Any]:
+        """Ray options of worker ``worker`` of the ``index``-th replica started."""
+        host = self.workers[(index * self.workers_per_replica + worker) % len(self.workers)]
+        return on_host(host)

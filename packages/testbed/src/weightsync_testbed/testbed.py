@@ -15,7 +15,13 @@ from typing import Any
 
 from weightsync_testbed.claim import PrefixClaim
 from weightsync_testbed.cluster import RayCluster, kill_ray_processes
-from weightsync_testbed.network import Link, Network, check_available, remove_leftovers
+from weightsync_testbed.network import (
+    Link,
+    Network,
+    NicBytes,
+    check_available,
+    remove_leftovers,
+)
 
 __all__ = ["Testbed", "cleanup"]
 
@@ -177,6 +183,10 @@ class Testbed:
     def host_of(self, address: str) -> str | None:
         """The host owning ``address``."""
         return self.network.host_of(address)
+
+    def nic_bytes(self, host: str) -> NicBytes:
+        """What ``host``'s NIC has sent and received so far."""
+        return self.network.nic_bytes(host)
 
     def placement(self, actors: Sequence[str], replicas: Sequence[str]):
         """Where a harness puts actor ranks (round robin over ``actors``) and replicas (one
