@@ -140,7 +140,19 @@ def _lying_sender(rank: int, group, results, forge: bool = False) -> None:
         except VerificationError as exc:
             results.put((rank, {"error": str(exc), "source": exc.source}))
             return
+        except TransferError as exc:  # its sender stopped at the worker that caught the lie
+            results.put((rank, {"error": str(exc), "peer": exc.peer}))
+            return
     results.put((rank, {"error": None}))
+
+
+def _only_the_liars_receiver_caught_it(reports: dict[int, dict]) -> None:
+    """Every other worker either received everything or failed naming the actor rank that
+    stopped sending once the worker that caught the lie left (the sync fails everywhere)."""
+    for worker in range(len(NEEDED)):
+        report = reports[ACTORS + worker]
+        if worker != 4 and report["error"] is not None:
+            assert report.get("peer", "").startswith("actor rank "), report
 
 
 def _forging_sender(rank: int, group, results) -> None:
@@ -221,6 +233,7 @@ def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():
 
 def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named():
     reports = _run(_lying_sender)
+    _only_the_liars_receiver_caught_it(reports)
     assert reports[ACTORS + 4]["source"] == "actor rank 0"
     assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 is corrupt: it " \
         "differs from its sender's checksum" in reports[ACTORS + 4]["error"]
@@ -230,6 +243,7 @@ def test_a_checksum_not_sealed_under_the_syncs_key_is_refused():
     """Other bytes with a matching checksum, sealed under another key (an outsider who
     raced a gloo connection): refused, never loaded."""
     reports = _run(_forging_sender)
+    _only_the_liars_receiver_caught_it(reports)
     assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 came with a " \
         "checksum not sealed under this sync's key" in reports[ACTORS + 4]["error"]
 
