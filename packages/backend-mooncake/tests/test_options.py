@@ -23,4 +23,4 @@ def test_bad_options_fail_when_the_config_is_built(kwargs, message):
 
 
 def test_documented_options_are_options():
-    assert len(check_documented_options(README, "mooncake")) == 2
+    assert len(check_documented_options(README, "mooncake")) == 3  # mooncake_sharded too
