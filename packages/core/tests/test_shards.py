@@ -6,6 +6,7 @@ import torch
 
 from weightsync_core.shards import (
     Box,
+    DecoderShape,
     Layout,
     TransferPlan,
     decoder_tensor_parallel_layout,
@@ -93,6 +94,65 @@ def test_a_plan_moves_fsdp_rows_into_tp_workers_bit_exact():
     assert abs(senders[0] - senders[1]) < 0.1 * senders[0]
 
 
+
+def test_relays_send_each_slice_once_from_the_actors_and_chain_the_replicas():
+    """2 FSDP ranks -> 2 replicas of TP=2 and one of TP=1 with relays: the actor ranks send
+    each needed box once; every other worker needing the same box gets it forwarded, piece
+    by piece, from a worker that received it earlier in the plan; real tensors moved."""
+    full = _weights()
+    held = [fsdp_layout(SHAPES, 2, rank) for rank in range(2)]
+    needed = [*_tp(2), *_tp(2), Layout.whole(SHAPES)]
+    plain = TransferPlan.build(SHAPES, held, needed)
+    plan = TransferPlan.build(SHAPES, held, needed, relay=True)
+    assert plan.digest != plain.digest
+    assert TransferPlan.from_data(plan.as_data()) == plan
+    received = [{name: torch.full(box.shape, float("nan")) for name, box in layout.boxes.items()}
+                for layout in needed]
+    arrived: list[set[tuple[str, Box]]] = [set() for _ in needed]
+    for transfer in plan.transfers:
+        if transfer.relayed:  # forwarded from what the relaying worker already holds
+            assert (transfer.name, transfer.box) in arrived[transfer.sender], transfer
+            source = needed[transfer.sender].boxes[transfer.name]
+            piece = transfer.box.within(source).cut(received[transfer.sender][transfer.name])
+        else:
+            assert transfer.box.intersection(held[transfer.sender].boxes[transfer.name]) \
+                == transfer.box, transfer
+            piece = transfer.box.cut(full[transfer.name])
+        target = needed[transfer.receiver].boxes[transfer.name]
+        transfer.box.within(target).cut(received[transfer.receiver][transfer.name]).copy_(piece)
+        arrived[transfer.receiver].add((transfer.name, transfer.box))
+    for rank, layout in enumerate(needed):
+        for name, box in layout.boxes.items():
+            assert torch.equal(received[rank][name], box.cut(full[name])), (rank, name)
+    assert plan.elements("receiver") == plain.elements("receiver")
+    # the actors send each distinct box once (the TP=1 worker's whole model, each TP slice);
+    # the rest is relayed
+    distinct = {(name, box) for layout in needed for name, box in layout.boxes.items()}
+    assert sum(plan.elements("sender").values()) == sum(box.numel for _, box in distinct)
+    assert sum(plan.elements("relay").values()) == sum(
+        plain.elements("sender").values()) - sum(box.numel for _, box in distinct)
+    # the two TP=2 replicas' workers take turns heading the chains
+    relays = plan.elements("relay")
+    assert set(relays) >= {0, 1, 2, 3}, relays
+    # each actor rank sends about one model instead of one and a half
+    assert plan.busiest_sender_bytes() < 0.7 * plain.busiest_sender_bytes()
+
+
+def test_relays_are_kept_only_where_they_lower_the_busiest_senders_bytes():
+    """4 FSDP ranks into 2 whole-model workers: relaying would move the load from the
+    actor ranks (half a model each) to the relaying workers (about half a model each, no
+    less), so the plan stays plain; in one TP=2 replica only the boxes both workers need
+    (the norms, whole, and the scalar) are relayed."""
+    held = [fsdp_layout(SHAPES, 4, rank) for rank in range(4)]
+    whole = [Layout.whole(SHAPES)] * 2
+    plan = TransferPlan.build(SHAPES, held, whole, relay=True)
+    assert plan == TransferPlan.build(SHAPES, held, whole)
+    tp2 = TransferPlan.build(SHAPES, [fsdp_layout(SHAPES, 2, rank) for rank in range(2)],
+                             _tp(2), relay=True)
+    relayed = {transfer.name for transfer in tp2.transfers if transfer.relayed}
+    assert relayed == {name for name in SHAPES if "norm" in name or name == "step"}, relayed
+
+
 def test_the_digest_changes_with_the_plan_and_only_with_it():
     held = [fsdp_layout(SHAPES, 2, rank) for rank in range(2)]
     one = TransferPlan.build(SHAPES, held, _tp(2))
@@ -117,3 +177,15 @@ def test_layouts_that_cannot_work_fail_naming_what_is_wrong():
                            [Layout({"w": Box(((0, 5),))})])
     with pytest.raises(ValueError, match="actor rank 0: its layout names tensor 'x'"):
         TransferPlan.build({"w": (4,)}, [Layout.whole({"x": (4,)})], [])
+
+
+def test_a_decoder_shape_is_read_from_a_hugging_face_config():
+    from types import SimpleNamespace
+
+    llama = SimpleNamespace(num_attention_heads=4, num_key_value_heads=None, hidden_size=32,
+                            intermediate_size=48)
+    assert DecoderShape.from_hf_config(llama) == DecoderShape(4, 4, 8, 48)
+    nested = SimpleNamespace(text_config=SimpleNamespace(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=32,
+        intermediate_size=48))
+    assert DecoderShape.from_hf_config(nested) == DecoderShape(4, 2, 16, 48)

@@ -1,6 +1,7 @@
 """A transfer plan moved over a real gloo group of forked processes (2 FSDP actor ranks, 2
-replicas of TP=2 and one of TP=1): bit-exact boxes on every worker over several syncs, and
-the failures named: a sender killed mid-sync, a lying sender, a plan that differs."""
+replicas of TP=2 and one of TP=1): bit-exact boxes on every worker over several syncs, with
+and without relays between the replicas, and the failures named: a sender killed mid-sync,
+a lying sender, a relaying worker killed or lying, a plan that differs."""
 
 import multiprocessing
 import os
@@ -49,8 +50,8 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
 KEY = secrets.token_bytes(32)  # the sync's key, as the manager hands it to every process
 
 
-def _exchange(group, needed=NEEDED, timeout=20.0) -> PlanExchange:
-    plan = TransferPlan.build(SHAPES, HELD, needed)
+def _exchange(group, needed=NEEDED, timeout=20.0, relay=False) -> PlanExchange:
+    plan = TransferPlan.build(SHAPES, HELD, needed, relay=relay)
     return PlanExchange(group, plan, SHAPES, DTYPES, ACTORS, MessageSealer(KEY),
                         chunk_bytes=CHUNK, timeout=timeout)
 
@@ -60,13 +61,14 @@ def _shards(rank: int, step: int):
     return [(name, box.cut(full[name])) for name, box in HELD[rank].boxes.items()]
 
 
-def _three_syncs(rank: int, group, results) -> None:
-    exchange = _exchange(group)
+def _three_syncs(rank: int, group, results, relay: bool = False) -> None:
+    exchange = _exchange(group, relay=relay)
     exchange.agree(rank, ACTORS + len(NEEDED))
     received = 0
     for step in range(3):
         if rank < ACTORS:
-            exchange.send(rank, HELD[rank], _shards(rank, step))
+            sent = exchange.send(rank, HELD[rank], _shards(rank, step))
+            results.put((rank, {"sent": sent})) if step == 2 else None
             continue
         worker = rank - ACTORS
         full = _weights(step)
@@ -74,6 +76,45 @@ def _three_syncs(rank: int, group, results) -> None:
             assert torch.equal(piece, NEEDED[worker].boxes[name].cut(full[name])), (step, name)
             received += piece.numel() * piece.element_size()
     results.put((rank, {"received": received // 3}))
+
+
+def _relayed_three_syncs(rank: int, group, results) -> None:
+    _three_syncs(rank, group, results, relay=True)
+
+
+def _killed_relay(rank: int, group, results) -> None:
+    """Rollout rank 0, which relays its TP slices to rollout rank 2, dies before the sync."""
+    exchange = _exchange(group, timeout=30.0, relay=True)
+    exchange.agree(rank, ACTORS + len(NEEDED))
+    if rank == ACTORS:
+        os._exit(0)
+    try:
+        if rank < ACTORS:
+            exchange.send(rank, HELD[rank], _shards(rank, 0))
+        else:
+            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+        results.put((rank, {"error": None}))
+    except TransferError as exc:
+        results.put((rank, {"error": str(exc), "peer": exc.peer}))
+
+
+def _lying_relay(rank: int, group, results) -> None:
+    """Rollout rank 0 flips a bit of the first piece it relays to rollout rank 2."""
+    exchange = _exchange(group, relay=True)
+    index = next(i for i, t in enumerate(exchange.plan.transfers)
+                 if t.relayed and t.sender == 0 and t.receiver == 2)
+    if rank == ACTORS:
+        exchange.group = _LyingGroup(group, exchange.first_tag(index))
+    try:
+        if rank < ACTORS:
+            exchange.send(rank, HELD[rank], _shards(rank, 0))
+        else:
+            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+        results.put((rank, {"error": None}))
+    except VerificationError as exc:
+        results.put((rank, {"error": str(exc), "source": exc.source, "index": index}))
+    except TransferError as exc:  # the worker that caught the lie left
+        results.put((rank, {"error": str(exc), "peer": exc.peer}))
 
 
 def _killed_sender(rank: int, group, results) -> None:
@@ -200,10 +241,11 @@ def _run(body) -> dict[int, dict]:
         process.start()
     listener.close()
     reports: dict[int, dict] = {}
+    expected = size - (body in (_killed_sender, _killed_relay))
     try:
-        while len(reports) < size - (body is _killed_sender):
+        while len(reports) < expected:
             rank, report = results.get(timeout=120)
-            reports[rank] = report
+            reports.setdefault(rank, {}).update(report)
     finally:
         for process in processes:
             process.join(timeout=30)
@@ -221,6 +263,33 @@ def test_fsdp_ranks_deliver_every_workers_boxes_bit_exact_over_three_syncs():
     assert per_worker[4] == model  # the TP=1 worker: everything
     # each TP=2 worker: about half (norms whole, 64 of the 100 vocabulary rows on rank 0)
     assert all(0.4 * model < size < 0.6 * model for size in per_worker[:4]), per_worker
+
+
+def test_relays_deliver_every_workers_boxes_bit_exact_with_each_slice_sent_once():
+    """With relays the workers receive the same bytes, bit-exact, over three syncs, while
+    the actor ranks send each distinct box once (the TP=1 worker's model and one TP=2
+    replica's slices): the other replica's slices are forwarded by the first's workers."""
+    reports = _run(_relayed_three_syncs)
+    plain = _run(_three_syncs)
+    assert [reports[ACTORS + w]["received"] for w in range(len(NEEDED))] == [
+        plain[ACTORS + w]["received"] for w in range(len(NEEDED))]
+    distinct = {(name, box) for layout in NEEDED for name, box in layout.boxes.items()}
+    assert sum(reports[rank]["sent"] for rank in range(ACTORS)) == 2 * sum(
+        box.numel for _, box in distinct)
+    assert sum(reports[rank]["sent"] for rank in range(ACTORS)) < 0.75 * sum(
+        plain[rank]["sent"] for rank in range(ACTORS))
+
+
+def test_a_killed_relaying_worker_is_named_by_the_worker_it_relays_to():
+    reports = _run(_killed_relay)
+    assert reports[ACTORS + 2]["peer"] == "rollout rank 0", reports[ACTORS + 2]
+
+
+def test_a_relayed_piece_that_differs_from_its_checksum_is_caught_and_names_the_relay():
+    reports = _run(_lying_relay)
+    assert reports[ACTORS + 2]["source"] == "rollout rank 0", reports[ACTORS + 2]
+    assert "from rollout rank 0 is corrupt: it differs from its sender's checksum" in \
+        reports[ACTORS + 2]["error"]
 
 
 def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():

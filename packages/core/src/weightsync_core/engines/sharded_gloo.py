@@ -45,11 +45,15 @@ class ShardedGlooOptions(EngineOptions):
         chunk_megabytes: the largest message (MiB); a larger piece travels in chunks.
         group_init_timeout: seconds group set-up may take before failing with the ranks
             that never arrived.
+        relay: let workers of different replicas that need the same slices relay them to
+            each other (the actor ranks send each slice once), where that lowers the bytes
+            of the busiest sender; as set on actor rank 0.
     """
 
     host: str | None = None
     chunk_megabytes: float = 64.0
     group_init_timeout: float = 60.0
+    relay: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,7 +87,9 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
     into a :class:`~weightsync_core.shards.TransferPlan`; every process checks it holds the
     same plan, then every actor rank sends its pieces point to point while every worker
     receives exactly the boxes it declared, each piece checked against its sender's
-    checksum. Workers yield ``(name, box)`` tensors of the shape of their box.
+    checksum; workers of different replicas that need the same slices relay them to each
+    other as they arrive (option ``relay``). Workers yield ``(name, box)`` tensors of the
+    shape of their box.
     """
 
     options_class = ShardedGlooOptions
@@ -111,24 +117,28 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         self._close_listener()
         self._listener = listen_on_free_port(host)
         return {"host": host, "port": self._listener.getsockname()[1],
-                "layout": self.layout_spec, "weights": self.weights_spec}
+                "layout": self.layout_spec, "weights": self.weights_spec,
+                "relay": self.options.relay}
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """The plan, from every process's layout and actor rank 0's weights."""
+        """The plan, from every process's layout and actor rank 0's weights (relayed
+        between replicas where actor rank 0's options allow it and it is cheaper)."""
         weights = metadata[0].get("weights") if metadata else None
         if not weights:
             raise WeightSyncError(
                 "gloo_sharded: actor rank 0 declared no weights (their shapes and dtypes): "
                 "the actor must implement weight_shapes()")
-        shapes, _ = parse_weights_spec(weights)
+        shapes, dtypes = parse_weights_spec(weights)
         held = [resolve_layout(metadata[rank].get("layout"), shapes, f"actor rank {rank}")
                 for rank in range(actor_wg_world_size)]
         needed = [resolve_layout(metadata[actor_wg_world_size + rank].get("layout"), shapes,
                                  f"rollout rank {rank}") for rank in range(rollout_world_size)]
-        plan = TransferPlan.build(shapes, held, needed).as_data()
+        itemsizes = {name: dtype.itemsize for name, dtype in dtypes.items()}
+        plan = TransferPlan.build(shapes, held, needed, itemsizes,
+                                  relay=bool(metadata[0].get("relay", True))).as_data()
         size = actor_wg_world_size + rollout_world_size
         master = {"host": metadata[0]["host"], "port": metadata[0]["port"]}
 

@@ -1,8 +1,8 @@
 """One process's part of a transfer plan, moved point to point over a gloo group: every
 actor rank sends the pieces of the rows it holds, every rollout worker receives exactly
-the boxes it declared, each piece checked against its sender's checksum, which travels
-sealed under the sync's key (a peer that races a gloo connection can make the sync fail,
-never succeed with other bytes)."""
+the boxes it declared (and forwards the pieces the plan has it relay), each piece checked
+against its sender's checksum, which travels sealed under the sync's key (a peer that
+races a gloo connection can make the sync fail, never succeed with other bytes)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from weightsync_core.errors import (
     UnauthenticatedMessageError,
     VerificationError,
 )
+from weightsync_core.shards.box import Box
 from weightsync_core.shards.layout import Layout, Shapes
 from weightsync_core.shards.transfers import Transfer, TransferPlan
 from weightsync_core.verification import host_checksum
@@ -71,6 +72,12 @@ class PieceCarrier(Protocol):
         """Post the receives of the plan's ``index``-th piece into ``data`` (bytes)."""
         ...
 
+    def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                      received: int, data: torch.Tensor, tag: int) -> list[Work]:
+        """On a relaying worker: send the plan's ``index``-th piece (relayed), which is the
+        ``received``-th piece, checked and held in ``data``, as :meth:`send_piece` does."""
+        ...
+
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
                 data: torch.Tensor) -> None:
         """After the piece's receives and its checksum arrived: make ``data`` hold its bytes
@@ -101,10 +108,14 @@ class GlooCarrier:
         for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
             works.append(exchange.post(exchange.group.recv,
                                        data[start:start + exchange.chunk_bytes],
-                                       transfer.sender, tag, f"actor rank {transfer.sender}",
+                                       exchange.source_rank(transfer), tag, transfer.source,
                                        "receiving"))
             tag += 1
         return works
+
+    def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                      received: int, data: torch.Tensor, tag: int) -> list[Work]:
+        return self.send_piece(exchange, index, transfer, data, tag)
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
                 data: torch.Tensor) -> None:
@@ -116,7 +127,8 @@ class PlanExchange:
     1``) then the rollout workers (rollout rank ``r`` is group rank ``actor_ranks + r``).
 
     Every process builds the same plan (check with :meth:`agree`); an actor rank then calls
-    :meth:`send` with its shards, a rollout worker iterates :meth:`receive`. A piece larger
+    :meth:`send` with its shards, a rollout worker iterates :meth:`receive` (which also
+    forwards the pieces the plan has it relay, each once it arrived and was checked). A piece larger
     than ``chunk_bytes`` travels in chunks; each piece is followed by its checksum (xxh3,
     with the plan's digest and the piece's index, sealed by ``sealer``), which the receiver
     opens and checks before the piece is placed. The bytes travel as gloo messages unless
@@ -171,6 +183,10 @@ class PlanExchange:
         """Bytes of ``transfer``'s piece as it travels."""
         return transfer.box.numel * self.dtypes[transfer.name].itemsize
 
+    def source_rank(self, transfer: Transfer) -> int:
+        """The group rank that sends ``transfer`` (an actor rank, or a relaying worker)."""
+        return transfer.sender + (self.actor_ranks if transfer.relayed else 0)
+
     def chunks(self, nbytes: int) -> int:
         """Messages (or writes) of at most ``chunk_bytes`` that ``nbytes`` bytes take."""
         return max(1, -(-nbytes // self.chunk_bytes))
@@ -209,7 +225,7 @@ class PlanExchange:
             ValueError: the plan has this rank send rows its layout does not hold (before
                 anything is sent).
         """
-        mine = self._by_name(self._indexed(lambda t: t.sender == rank))
+        mine = self._by_name(self._indexed(lambda t: t.sender == rank and not t.relayed))
         for name, transfers in mine.items():
             box = held.boxes.get(name)
             for _, transfer in transfers:
@@ -231,41 +247,74 @@ class PlanExchange:
         """
         mine = self._by_name(self._indexed(lambda t: t.receiver == rank))
         self._check_delivers(rank, needed, mine)
+        forwards = self._forwards(rank)
+        pending: list[tuple[Work, Transfer]] = []
         for name in self.shapes:
             want = needed.boxes.get(name)
             if want is None:
                 continue
             out = torch.empty(want.shape, dtype=self.dtypes[name])
             for index, transfer in mine.get(name, []):
-                piece = self._receive_piece(index, transfer)
+                piece, checksum = self._receive_piece(index, transfer)
+                for relayed_index, relayed in forwards.get((name, transfer.box), []):
+                    pending.extend(self._forward(relayed_index, relayed, index, piece, checksum))
                 transfer.box.within(want).cut(out).copy_(
                     piece.view(self.dtypes[name]).reshape(transfer.box.shape))
             yield name, out
+        self.drain(pending, "relaying")
 
-    def _receive_piece(self, index: int, transfer: Transfer) -> torch.Tensor:
+    def _forwards(self, rank: int) -> dict[tuple[str, Box], list[tuple[int, Transfer]]]:
+        """The pieces rollout rank ``rank`` relays, by the name and box it receives them as.
+
+        Raises:
+            ValueError: the plan has it relay a piece it does not receive.
+        """
+        received = {(t.name, t.box) for t in self.plan.received_by(rank)}
+        forwards: dict[tuple[str, Box], list[tuple[int, Transfer]]] = defaultdict(list)
+        for index, transfer in self._indexed(lambda t: t.relayed and t.sender == rank):
+            if (transfer.name, transfer.box) not in received:
+                raise ValueError(f"rollout rank {rank}: the plan has it relay {transfer.box} "
+                                 f"of tensor {transfer.name!r}, which it does not receive; "
+                                 "nothing was received")
+            forwards[(transfer.name, transfer.box)].append((index, transfer))
+        return dict(forwards)
+
+    def _forward(self, index: int, transfer: Transfer, received: int, data: torch.Tensor,
+                 checksum: int) -> list[tuple[Work, Transfer]]:
+        """Relay the checked piece ``data`` (the plan's ``received``-th) as its ``index``-th,
+        with its checksum; returns the sends in flight."""
+        tag = self.first_tag(index)
+        works = self.carrier.forward_piece(self, index, transfer, received, data, tag)
+        frame = torch.frombuffer(bytearray(self.sealed_checksum(index, checksum)),
+                                 dtype=torch.uint8)
+        works.append(self.post(self.group.send, frame, self.actor_ranks + transfer.receiver,
+                               tag + self.carrier.messages(self, data.numel()),
+                               f"rollout rank {transfer.receiver}", "relaying"))
+        return [(work, transfer) for work in works]
+
+    def _receive_piece(self, index: int, transfer: Transfer) -> tuple[torch.Tensor, int]:
+        """The plan's ``index``-th piece, checked, and its checksum."""
         data = torch.empty(self.piece_bytes(transfer), dtype=torch.uint8)
         tag = self.first_tag(index)
-        peer = f"actor rank {transfer.sender}"
+        peer = transfer.source
         works = self.carrier.receive_piece(self, index, transfer, data, tag)
         frame = torch.empty(self._frame_bytes, dtype=torch.uint8)
-        works.append(self.post(self.group.recv, frame, transfer.sender,
+        works.append(self.post(self.group.recv, frame, self.source_rank(transfer),
                                tag + self.carrier.messages(self, data.numel()), peer, "receiving"))
         for work in works:
             self.wait(work, peer, "receiving")
         self.carrier.collect(self, index, transfer, data)
         where = (f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
-                 f"{transfer.name!r} from actor rank {transfer.sender}")
+                 f"{transfer.name!r} from {peer}")
         try:
             plan, piece, checksum = _CHECKSUM.unpack(self.sealer.open(frame.numpy().tobytes()))
         except UnauthenticatedMessageError:
             raise VerificationError(f"{where} came with a checksum not sealed under this "
-                                    "sync's key", tensors=[transfer.name],
-                                    source=f"actor rank {transfer.sender}") from None
+                                    "sync's key", tensors=[transfer.name], source=peer) from None
         if plan.hex() != self.plan.digest or piece != index or self.checksum(data) != checksum:
             raise VerificationError(f"{where} is corrupt: it differs from its sender's checksum",
-                                    tensors=[transfer.name],
-                                    source=f"actor rank {transfer.sender}")
-        return data
+                                    tensors=[transfer.name], source=peer)
+        return data, checksum
 
     def _check_delivers(self, rank: int, needed: Layout,
                         mine: Mapping[str, list[tuple[int, Transfer]]]) -> None:

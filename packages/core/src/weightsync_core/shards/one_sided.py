@@ -1,8 +1,9 @@
 """A plan's pieces written one-sidedly: every actor rank writes its pieces straight into
 the registered landing buffers of the rollout workers that need them (NIXL, Mooncake, ...:
-any :class:`~weightsync_core.transport.PeerTransport`), many senders at once; each piece's
-sealed checksum follows on the exchange's gloo group once its bytes have landed, and the
-worker checks a copy of them out of its registered memory."""
+any :class:`~weightsync_core.transport.PeerTransport`), many senders at once; a worker
+that relays writes the pieces it forwards straight from its own landing buffer into the
+next worker's; each piece's sealed checksum follows on the exchange's gloo group once its
+bytes have landed, and the worker checks a copy of them out of its registered memory."""
 
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ class OneSidedCarrier:
         """Make this process's registered ``buffer`` large enough (a worker's landing
         buffer for the pieces it receives; a sender's staging buffer of one chunk) and hand
         every sender the landing buffers it writes into: each worker sends its
-        :class:`Landing`, sealed, to each of its senders over the group, which connect to it
-        through ``receivers`` (a collective: every process of the group calls it).
+        :class:`Landing`, sealed, to each of its senders (actor ranks, and the workers that
+        relay to it) over the group, which connect to it through ``receivers`` (a
+        collective: every process of the group calls it).
 
         Raises:
             TransferError: a peer failed, or sent a landing not sealed under this sync's key
@@ -148,8 +150,15 @@ class OneSidedCarrier:
         exchange.use_carrier(carrier)
         if group_rank < exchange.actor_ranks:
             carrier._take_landings(exchange, group_rank, buffer, receivers)
-        else:
-            carrier._hand_out_landing(exchange, group_rank - exchange.actor_ranks, buffer)
+            return carrier
+        rank = group_rank - exchange.actor_ranks
+        handing_out = carrier._hand_out_landing(exchange, rank, buffer)
+        # the workers this one relays to may relay to it too: its sends are posted first
+        for receiver in sorted({t.receiver for t in exchange.plan.sent_by(rank, relayed=True)}):
+            landing = _receive_landing(exchange, receiver)
+            carrier.receivers[receiver] = (receivers.connect(receiver, landing), landing.buffer)
+        for work, peer in handing_out:
+            exchange.wait(work, peer, "connecting")
         return carrier
 
     # -- PieceCarrier ----------------------------------------------------------------------
@@ -162,26 +171,44 @@ class OneSidedCarrier:
         """Write ``data`` into the receiver's landing buffer, a staging buffer at a time;
         returns once it has landed."""
         staging = self._require(self.staging)
+        self._write(exchange, transfer, data, index, staging.numel(), staging)
+        return []
+
+    def _write(self, exchange: PlanExchange, transfer: Transfer, data: torch.Tensor,
+               index: int, step: int, staging: torch.Tensor | None = None) -> None:
+        """Write ``data`` (registered, or copied through ``staging`` a ``step`` at a time)
+        at the plan's ``index``-th piece's place in its receiver's landing buffer."""
         peer, landing = self.receivers[transfer.receiver]
         offset = self.offsets[index]
-        step = staging.numel()
         for start in range(0, data.numel(), step):
-            chunk = data[start:start + step]
-            local = staging[:chunk.numel()]
-            local.copy_(chunk)
+            local = data[start:start + step]
+            if staging is not None:
+                local = staging[:local.numel()].copy_(local)
             try:
-                self.transport.write(peer, local, landing.at(offset + start, chunk.numel()),
+                self.transport.write(peer, local, landing.at(offset + start, local.numel()),
                                      exchange.seconds)
             except Exception as exc:
                 who = f"rollout rank {transfer.receiver}"
-                raise TransferError(f"sending failed with {who}: {type(exc).__name__}: {exc}",
+                stage = "relaying" if transfer.relayed else "sending"
+                raise TransferError(f"{stage} failed with {who}: {type(exc).__name__}: {exc}",
                                     code=getattr(exc, "code", None), peer=who,
-                                    stage="sending") from None
-        return []
+                                    stage=stage) from None
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       data: torch.Tensor, tag: int) -> list[Work]:
         """Nothing to post: the sender writes."""
+        return []
+
+    def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
+                      received: int, data: torch.Tensor, tag: int) -> list[Work]:
+        """Write the ``received``-th piece from this worker's landing buffer (registered)
+        into the next worker's; returns once it has landed. Its checksum, sent after, is
+        that of the checked copy ``data``: bytes changed in the landing since then fail
+        at the next worker."""
+        landing = self._require(self.landing)
+        start = self.offsets[received]
+        self._write(exchange, transfer, landing[start:start + data.numel()], index,
+                    exchange.chunk_bytes)
         return []
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
@@ -193,7 +220,8 @@ class OneSidedCarrier:
 
     # -- set-up ----------------------------------------------------------------------------
     def _hand_out_landing(self, exchange: PlanExchange, rank: int,
-                          buffer: RegisteredBuffer) -> None:
+                          buffer: RegisteredBuffer) -> list[tuple[Work, str]]:
+        """Post the sends of rollout rank ``rank``'s landing to its senders; returns them."""
         mine = exchange.plan.received_by(rank)
         self.landing, remote = buffer.at_least(
             sum(exchange.piece_bytes(transfer) for transfer in mine))
@@ -201,14 +229,13 @@ class OneSidedCarrier:
         body = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         length = torch.frombuffer(bytearray(_LENGTH.pack(len(frame))), dtype=torch.uint8)
         works = []
-        for sender in sorted({transfer.sender for transfer in mine}):
-            peer = f"actor rank {sender}"
+        senders = {exchange.source_rank(transfer): transfer.source for transfer in mine}
+        for sender, peer in sorted(senders.items()):
             works.append((exchange.post(exchange.group.send, length, sender,
                                         exchange.free_tag, peer, "connecting"), peer))
             works.append((exchange.post(exchange.group.send, body, sender,
                                         exchange.free_tag + 1, peer, "connecting"), peer))
-        for work, peer in works:
-            exchange.wait(work, peer, "connecting")
+        return works
 
     def _take_landings(self, exchange: PlanExchange, rank: int, buffer: RegisteredBuffer,
                        receivers: KnownReceivers) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from weightsync_core.shards.box import Box
 from weightsync_core.shards.layout import Layout, Shapes
@@ -37,6 +38,18 @@ class DecoderShape:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> DecoderShape:
+        """The geometry of a Hugging Face model config (its ``text_config`` where it has
+        one): KV heads default to the query heads, ``head_dim`` to ``hidden_size //
+        num_attention_heads``."""
+        text = getattr(config, "text_config", None) or config
+        heads = int(text.num_attention_heads)
+        return cls(num_attention_heads=heads,
+                   num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+                   head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+                   intermediate_size=int(text.intermediate_size))
 
     def check(self, tp_size: int) -> None:
         """Raise where vLLM could not split this model over ``tp_size`` workers.

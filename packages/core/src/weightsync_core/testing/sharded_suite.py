@@ -127,22 +127,29 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
         assert all(report["weight_streams"] > 0 for report in sent)
         whole = sizes[0]
         assert all(0.4 * whole < size < 0.6 * whole for size in sizes[1:]), sizes
-        # the most any worker received; every worker's bytes crossed once, from both senders
+        # the most any worker received; the actor ranks sent each distinct box once (the
+        # norms, which every worker needs whole, go on from worker to worker)
         assert metrics["weightsync/bytes"] == max(sizes)
-        assert metrics["weightsync/bytes_sent"] == sum(sizes)
+        assert metrics["weightsync/bytes_sent"] == _distinct_bytes(
+            self._expected(harness, 73, layouts))
 
     def test_sharded_added_tp_replica_gets_its_slices(self, harness: SyncHarness) -> None:
-        """A TP=2 replica added later receives its slices in the next sync, with the others."""
+        """A TP=2 replica added later receives its slices in the next two syncs, with the
+        others; the workers of the two TP=2 replicas relay the slices they share, so the
+        actor ranks send each distinct slice once."""
         added = harness.new_replica(2)
         replicas = [*harness.replicas, added]
         manager = harness.manager(replicas)
         try:
             with self._sharded(harness, replicas) as layouts:
-                self._sync_and_check(harness, manager, 74, replicas, layouts,
-                                     allow_manifest_change=True)
+                for seed in (74, 77):
+                    metrics = self._sync_and_check(harness, manager, seed, replicas, layouts,
+                                                   allow_manifest_change=seed == 74)
+                expected = self._expected(harness, 77, layouts)
         finally:
             for worker in added.workers:
                 ray.kill(worker)
+        assert metrics["weightsync/bytes_sent"] == _distinct_bytes(expected)
 
     def test_sharded_sender_that_dies_is_blamed(self, harness: SyncHarness) -> None:
         """Actor rank 1 dies after a few of its shards: the sync fails within its timeout,
@@ -161,6 +168,12 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             ray.get(harness.actors[1].set_layout.remote(fsdp_spec(len(harness.actors), 1)))
             self._sync_and_check(harness, harness.manager(), 76, replicas, layouts,
                                  allow_manifest_change=True)
+
+
+def _distinct_bytes(expected: Sequence[Mapping[str, TensorDigest]]) -> int:
+    """The bytes of every distinct box the workers of ``expected`` receive, each once."""
+    distinct = {(name, entry) for boxes in expected for name, entry in boxes.items()}
+    return sum(_nbytes(entry) for _, entry in distinct)
 
 
 def _nbytes(entry: TensorDigest) -> int:
