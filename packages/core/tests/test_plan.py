@@ -210,6 +210,23 @@ def test_sharded_delivery_sends_each_worker_its_shard_from_every_actor_rank():
         sharded_delivery("nixl", cluster(), Workload(1000, 100), EngineCosts(), 1.5)
 
 
+def test_relays_between_replicas_halve_the_actor_uplinks_for_a_second_hop():
+    # as above, relayed: the actor ranks send the model once (500 bytes per actor host, as
+    # much as a worker receives: 5 buckets at 1.5 s); each worker forwards 250 bytes to its
+    # peer in the other replica (a second hop of 1 s a bucket)
+    layout = {"actor_hosts": 2, "actor_ranks_per_host": 2, "replicas": 2,
+              "workers_per_replica": 2}
+    relayed = sharded_delivery("nixl", cluster(**layout), Workload(1000, 100), EngineCosts(),
+                               relay=True)
+    assert relayed.option == "sharded delivery, relayed between replicas"
+    assert [stage.seconds for stage in relayed.stages] == pytest.approx([1.5, 1.0])
+    assert relayed.seconds == pytest.approx(1.5 + 1.0 + 4 * 1.5)
+    # the planner takes the faster of the two; one replica has nothing to relay
+    assert sharded_plan(cluster(**layout), Workload(1000, 100)).option == relayed.option
+    single = {**layout, "replicas": 1}
+    assert sharded_plan(cluster(**single), Workload(1000, 100)).option == "sharded delivery"
+
+
 def test_the_1t_case_with_8_nics_a_host_is_bound_by_the_rollout_downlinks():
     """1 TB (FP8) from 256 trainer GPUs (32 hosts of 8) into 8 replicas of 16 GPUs (16 hosts
     of 8), 8 NICs of 400 Gbit/s a host: Perplexity publishes 1.3 s."""
@@ -230,4 +247,5 @@ def test_cli_predicts_sharded_delivery_beside_the_table(capsys):
         "nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo)" in out
     assert main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert rows[-1]["option"] == "sharded delivery" and rows[-1]["engine_kwargs"] is None
+    assert rows[-1]["option"].startswith("sharded delivery")
+    assert rows[-1]["engine_kwargs"] is None

@@ -136,17 +136,23 @@ def plan(
 
 def sharded_plan(cluster: Cluster, workload: Workload, device: str = "cpu",
                  replicated_fraction: float = 0.0,
-                 costs: Mapping[str, EngineCosts] | None = None) -> Prediction:
+                 costs: Mapping[str, EngineCosts] | None = None,
+                 relay: bool | None = None) -> Prediction:
     """Sharded delivery on ``cluster`` (:func:`~.topologies.sharded_delivery`: each rollout
     worker receives only its shard, from every actor rank at once), priced with nixl's
     engine costs for ``device`` (a point-to-point engine; ``costs`` overrides): the engines
     ``nixl_sharded`` and ``mooncake_sharded`` run it by one-sided writes, ``gloo_sharded``
-    over gloo."""
+    over gloo. ``relay``: with relays between replicas (True), without (False), or the
+    faster of the two (None; the engines relay by default where that unloads the busiest
+    sender)."""
     if device not in _DEVICE_BACKENDS:
         raise ValueError(f"device must be one of {', '.join(_DEVICE_BACKENDS)}, got {device!r}")
     table = dict(MEASURED_CPU_COSTS if device == "cpu" else ASSUMED_GPU_COSTS)
     table.update(costs or {})
-    return sharded_delivery("nixl", cluster, workload, table["nixl"], replicated_fraction)
+    choices = [False, True] if relay is None else [relay]
+    predictions = [sharded_delivery("nixl", cluster, workload, table["nixl"],
+                                    replicated_fraction, relay=choice) for choice in choices]
+    return min(predictions, key=lambda prediction: prediction.seconds)
 
 
 def plan_table(ranked: list[RankedPrediction]) -> str:

@@ -260,7 +260,7 @@ def sharded_pull(
 
 def sharded_delivery(
     backend: str, cluster: Cluster, workload: Workload, costs: EngineCosts,
-    replicated_fraction: float = 0.0,
+    replicated_fraction: float = 0.0, relay: bool = False,
 ) -> Prediction:
     """Sharded delivery: every rollout worker receives only its own shard (its replica's
     workers split the model evenly, as tensor or expert parallelism does, except
@@ -269,6 +269,10 @@ def sharded_delivery(
     the bytes). Every process uses a NIC of its host (``nics_per_host``: processes beyond
     that share them), so the busiest NIC, at either end, sets the time: its bytes stream in
     buckets of the workload's size, each paying the engine's per-bucket cost.
+
+    With ``relay``, the actor ranks send each distinct slice once (one model in all) and
+    the workers forward the other replicas' copies to each other, each worker an even share
+    of them over its NIC's uplink: a second hop, whose bucket adds to the pipeline's fill.
     """
     if not 0.0 <= replicated_fraction <= 1.0:
         raise ValueError(f"replicated_fraction must be within [0, 1], got {replicated_fraction!r}")
@@ -277,15 +281,24 @@ def sharded_delivery(
     per_worker = workload.model_bytes * ((1 - replicated_fraction) / workers
                                          + replicated_fraction)
     total = per_worker * cluster.rollout_workers
-    per_rank = total / cluster.actor_ranks
-    uplink = per_rank * cluster.actor_ranks_per_host / min(cluster.actor_ranks_per_host,
-                                                           cluster.nics_per_host)
-    downlink = per_worker * cluster.rollout_workers_per_host / min(
-        cluster.rollout_workers_per_host, cluster.nics_per_host)
+    sent = workload.model_bytes if relay else total
+    actor_nics = min(cluster.actor_ranks_per_host, cluster.nics_per_host)
+    rollout_nics = min(cluster.rollout_workers_per_host, cluster.nics_per_host)
+    uplink = sent / cluster.actor_ranks * cluster.actor_ranks_per_host / actor_nics
+    downlink = per_worker * cluster.rollout_workers_per_host / rollout_nics
+    relayed = (total - sent) / cluster.rollout_workers * cluster.rollout_workers_per_host \
+        / rollout_nics
     busiest, name = max((uplink, f"actor host NIC uplinks ({uplink / 1e9:.3g} GB each)"),
-                        (downlink, f"rollout host NIC downlinks ({downlink / 1e9:.3g} GB each)"))
+                        (downlink, f"rollout host NIC downlinks ({downlink / 1e9:.3g} GB each)"),
+                        (relayed, f"rollout host NIC uplinks, relaying ({relayed / 1e9:.3g} "
+                                  "GB each)"))
     buckets = max(1, math.ceil(busiest / workload.bucket_bytes))
     size = busiest / buckets
     contention = cluster.cpu_contention(layout.rollout_world_size + layout.actor_ranks)
-    stage = Stage(name, cluster.nic.seconds(size) + costs.bucket_seconds(size, contention))
-    return pipeline(backend, "sharded delivery", [stage], buckets, workload.pipeline_depth)
+    stages = [Stage(name, cluster.nic.seconds(size) + costs.bucket_seconds(size, contention))]
+    if relay:
+        hop = relayed / buckets
+        stages.append(Stage("relay hop between replicas",
+                            cluster.nic.seconds(hop) + costs.bucket_seconds(hop, contention)))
+    option = "sharded delivery" + (", relayed between replicas" if relay else "")
+    return pipeline(backend, option, stages, buckets, workload.pipeline_depth)
