@@ -4,7 +4,9 @@ NIC, against the full-copy topologies on the same weights, in one run, each cell
 core's planner (``weightsync plan --sharded``) predicts from the links probed at the start.
 
 Workers of a replica split every tensor by rows, as a tensor-parallel worker needs about
-1/TP of most tensors; the full-copy engines deliver every tensor whole to every worker.
+1/TP of most tensors; the full-copy engines deliver every tensor whole to every worker. The
+sharded engines relay between replicas (the workers that need the same rows forward them to
+each other); ``backend+direct`` measures one without relays.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "SHARDED_ENGINE_KWARGS",
     "ShardedCell",
     "ShardedReport",
+    "is_sharded",
     "measure_cell",
     "run_sharded_bench",
 ]
@@ -59,6 +62,11 @@ class ShardedCell:
     included)."""
     worker_nic_received: list[int] = field(default_factory=list)
     """Bytes each worker host's NIC received per sync."""
+    worker_nic_sent: list[int] = field(default_factory=list)
+    """Bytes each worker host's NIC sent per sync (relays)."""
+    cpu_busy: float | None = None
+    """The machine's CPU time busy during the timed syncs, as a fraction of all its cores'
+    (every emulated host shares them)."""
     predicted: float | None = None
     bound: str | None = None
 
@@ -68,14 +76,15 @@ class ShardedCell:
         return f"{self.actor_hosts} actor hosts -> {self.replicas} x TP={self.tp}"
 
     def nic_spread(self) -> str:
-        """The busiest actor and worker NIC against the mean of their kind (MiB per sync):
-        how evenly the bytes spread."""
+        """The busiest actor uplink, worker downlink and worker uplink against the mean of
+        their kind (MiB per sync): how evenly the bytes spread."""
         def spread(counts: list[int]) -> str:
             if not counts:
                 return "-"
             return f"{max(counts) / 2**20:.0f} / {sum(counts) / len(counts) / 2**20:.0f}"
 
-        return f"{spread(self.actor_nic_sent)}; {spread(self.worker_nic_received)}"
+        return (f"{spread(self.actor_nic_sent)}; {spread(self.worker_nic_received)}; "
+                f"{spread(self.worker_nic_sent)}")
 
     @property
     def prediction_error(self) -> float | None:
@@ -106,20 +115,21 @@ class ShardedReport:
                  f"buckets, median of {self.repeats}", "",
                  "| layout | method | bytes per worker | measured | predicted (error) | bound "
                  "| speed-up over the best full copy | NIC MiB per sync, busiest / mean: "
-                 "actor uplinks; worker downlinks |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                 "actor uplinks; worker downlinks; worker uplinks | CPU busy |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for layout in dict.fromkeys(cell.layout for cell in self.cells):
             cells = [cell for cell in self.cells if cell.layout == layout]
-            full = [cell.seconds for cell in cells if not cell.method.endswith("_sharded")]
+            full = [cell.seconds for cell in cells if not is_sharded(cell.method)]
             best = min(full) if full else None
             for cell in cells:
                 predicted = ("-" if cell.predicted is None else
                              f"{cell.predicted:.2f} s ({cell.prediction_error:+.0%})")
                 ratio = (f"{best / cell.seconds:.2f}x" if best is not None
-                         and cell.method.endswith("_sharded") else "")
+                         and is_sharded(cell.method) else "")
+                busy = "-" if cell.cpu_busy is None else f"{cell.cpu_busy:.0%}"
                 lines.append(f"| {layout} | {cell.method} | {cell.worker_bytes / 2**20:.0f} MiB "
                              f"| {cell.seconds:.2f} s | {predicted} | {cell.bound or '-'} "
-                             f"| {ratio} | {cell.nic_spread()} |")
+                             f"| {ratio} | {cell.nic_spread()} | {busy} |")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -139,8 +149,9 @@ def run_sharded_bench(
 ) -> ShardedReport:
     """Start one testbed with hosts for the largest of ``layouts`` (``(actor hosts, TP)``
     each: ``replicas`` replicas of ``TP`` workers), measure every method on every layout,
-    tear it down; returns the cells. A method is a backend, or ``backend:MiB`` for buckets of
-    that size (default ``bucket_megabytes``)."""
+    tear it down; returns the cells. A method is a backend, ``backend:MiB`` for buckets of
+    that size (default ``bucket_megabytes``), or a sharded backend with ``+direct`` for
+    its delivery without relays between replicas."""
     link = link or ShapedLink("1gbit")
     if link.bits_per_second is None:
         raise ValueError("the sharded benchmark needs shaped links (a rate, e.g. '1gbit')")
@@ -159,11 +170,11 @@ def run_sharded_bench(
                               workers_per_replica=tp, shared_cpu_cores=report.cpu_cores)
             placement = SpreadPlacement(actor_hosts[:actors], worker_hosts[:replicas * tp], tp)
             for method in [*full_copy, *sharded]:
-                backend, bucket = _method(method, bucket_megabytes)
+                backend, bucket, relay = _method(method, bucket_megabytes)
                 cell = measure_cell(testbed, backend, actors, tp, replicas, placement, nbytes,
-                                bucket, repeats)
+                                    bucket, repeats, relay)
                 cell.method = method
-                prediction = _predict(backend, cluster, Workload(nbytes, bucket << 20))
+                prediction = _predict(backend, cluster, Workload(nbytes, bucket << 20), relay)
                 cell.predicted, cell.bound = prediction.seconds, prediction.bound
                 report.cells.append(cell)
                 print(f"  {cell.layout}, {method}: {cell.seconds:.2f} s (predicted "
@@ -172,33 +183,48 @@ def run_sharded_bench(
     return report
 
 
-def _method(method: str, bucket_megabytes: int) -> tuple[str, int]:
-    """``backend`` or ``backend:MiB``: the backend and its bucket size (default
-    ``bucket_megabytes``)."""
+def is_sharded(method: str) -> bool:
+    """Whether ``method`` (``backend[:MiB][+direct]``) is a sharded backend's."""
+    return _method(method, 0)[0].endswith("_sharded")
+
+
+def _method(method: str, bucket_megabytes: int) -> tuple[str, int, bool]:
+    """``backend[:MiB][+direct]``: the backend, its bucket size (default
+    ``bucket_megabytes``) and whether it relays between replicas (not with ``+direct``).
+
+    Raises:
+        ValueError: ``+direct`` on a backend that is not sharded.
+    """
+    method, plus, mode = method.partition("+")
     backend, _, bucket = method.partition(":")
-    return backend, int(bucket) if bucket else bucket_megabytes
+    if plus and (mode != "direct" or not backend.endswith("_sharded")):
+        raise ValueError(f"method {method}+{mode}: only a sharded backend takes '+direct'")
+    return backend, int(bucket) if bucket else bucket_megabytes, not plus
 
 
-def _predict(method: str, cluster: Cluster, workload: Workload) -> Prediction:
+def _predict(method: str, cluster: Cluster, workload: Workload, relay: bool) -> Prediction:
     if method.endswith("_sharded"):
-        return sharded_plan(cluster, workload)
+        return sharded_plan(cluster, workload, relay=relay and cluster.replicas > 1)
     return plan(cluster, workload, backends=[method])[0].prediction
 
 
 def measure_cell(testbed: Testbed, method: str, actors: int, tp: int, replicas: int,
                  placement: SpreadPlacement, nbytes: int, bucket_megabytes: int,
-                 repeats: int) -> ShardedCell:
+                 repeats: int, relay: bool = True) -> ShardedCell:
     """``method`` (a backend) from ``actors`` ranks holding FSDP rows of ``nbytes`` of
     weights into ``replicas`` replicas of ``tp`` workers, placed on ``testbed``'s hosts by
-    ``placement`` (sharded backends: each worker needs its tensor-parallel rows; others
-    deliver every tensor whole): the median transfer seconds of ``repeats`` syncs after a
-    warm-up, the bytes per worker, and what every host's NIC carried per sync."""
-    is_sharded = method.endswith("_sharded")
-    kwargs = (SHARDED_ENGINE_KWARGS if is_sharded else DEFAULT_ENGINE_KWARGS).get(method, {})
+    ``placement`` (sharded backends: each worker needs its tensor-parallel rows, relayed
+    between replicas unless ``relay`` is False; others deliver every tensor whole): the
+    median transfer seconds of ``repeats`` syncs after a warm-up, the bytes per worker, and
+    what every host's NIC carried per sync."""
+    sharded = method.endswith("_sharded")
+    kwargs = (SHARDED_ENGINE_KWARGS if sharded else DEFAULT_ENGINE_KWARGS).get(method, {})
+    if sharded and not relay:
+        kwargs = {**kwargs, "relay": False}
     config = bench_config(method, kwargs, bucket_megabytes)
     with synthetic_deployment(config, actors, (tp,) * replicas, nbytes, _TENSORS,
                               placement) as (deployment, _):
-        if is_sharded:
+        if sharded:
             ray.get([actor.set_layout.remote(fsdp_spec(actors, rank))
                      for rank, actor in enumerate(deployment.actors)])
             ray.get([worker.set_layout.remote(fsdp_spec(tp, rank))
@@ -215,7 +241,9 @@ def measure_cell(testbed: Testbed, method: str, actors: int, tp: int, replicas: 
             received.append(metrics["weightsync/bytes"])
             return {"transfer": metrics["weightsync/seconds/transfer"]}
 
+        cpu_before = _cpu_jiffies()
         seconds = median_seconds([measure], repeats, warm_up=False)["transfer"]
+        cpu_after = _cpu_jiffies()
         carried = {host: testbed.nic_bytes(host) - before[host] for host in hosts}
         # a full copy's bytes are what one worker receives; a sharded sync's, the busiest
         # worker's
@@ -224,4 +252,19 @@ def measure_cell(testbed: Testbed, method: str, actors: int, tp: int, replicas: 
     syncs = len(received)
     return ShardedCell(actors, tp, replicas, method, seconds, worker_bytes,
                        [carried[host].sent // syncs for host in placement.actors],
-                       [carried[host].received // syncs for host in placement.workers])
+                       [carried[host].received // syncs for host in placement.workers],
+                       [carried[host].sent // syncs for host in placement.workers],
+                       _busy_fraction(cpu_before, cpu_after))
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """The machine's busy and total CPU time so far (``/proc/stat``, all cores)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy_fraction(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total else None
