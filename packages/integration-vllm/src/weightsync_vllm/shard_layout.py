@@ -40,15 +40,7 @@ def tensor_parallel_layout_spec(hf_config: Any, tp_size: int, tp_rank: int
         logger.info("weightsync: %s is not of %s; each worker receives whole tensors",
                     sorted(architectures), sorted(SHARDED_ARCHITECTURES))
         return None
-    text = getattr(hf_config, "text_config", None) or hf_config
-    heads = int(text.num_attention_heads)
-    model = DecoderShape(
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-        intermediate_size=int(text.intermediate_size),
-    )
-    return tensor_parallel_spec(model, tp_size, tp_rank)
+    return tensor_parallel_spec(DecoderShape.from_hf_config(hf_config), tp_size, tp_rank)
 
 
 def whole_tensor(name: str, piece: torch.Tensor, box: Box, shape: tuple[int, ...]
