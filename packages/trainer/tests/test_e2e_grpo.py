@@ -3,6 +3,7 @@ replicas really receive the actor's weights every step."""
 
 import pytest
 import ray
+import torch
 from trainer_test_helpers import mean_reward, run_experiment
 
 from weightsync_core import BackendState, CheckpointEngineRegistry
@@ -99,14 +100,35 @@ def test_same_run_with_every_landed_backend(backend):
 
 
 def test_sharded_delivery_from_both_fsdp_ranks():
-    """gloo_sharded: each of the 2 FSDP ranks sends its own rows (no gather) to both
-    replicas, which need every tensor whole."""
+    """gloo_sharded: each of the 2 FSDP ranks sends its own rows (no gather) once; the two
+    replicas, which need every tensor whole, relay them to each other."""
     runner, rows = _run("gloo_sharded", 3)
     try:
         checksums = runner.trainer.weights_checksums()
     finally:
         runner.trainer.shutdown()
     assert checksums["rollout"] == [checksums["actor"]] * 2
-    # the most a worker received is the whole model; both replicas' copies left the ranks
-    assert all(row["weightsync/bytes_sent"] == 2 * row["weightsync/bytes"] > 0 for row in rows)
+    # the most a worker received is the whole model; one copy left the ranks
+    assert all(row["weightsync/bytes_sent"] == row["weightsync/bytes"] > 0 for row in rows)
+    assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
+
+
+def test_tensor_parallel_replicas_receive_only_their_slices():
+    """rollout.tensor_parallel_size=2 over gloo_sharded: 2 replicas of 2 workers, each
+    receiving only its slices (the two replicas' workers relaying them to each other); each
+    worker serves the actor's weights once its replica's slices are assembled, and the
+    reward rises."""
+    runner, rows = _run("gloo_sharded", 3, "rollout.tensor_parallel_size=2")
+    try:
+        checksums = runner.trainer.weights_checksums()
+        shapes = ray.get(runner.trainer.actor_wg.call_all("weight_shapes"))[0]
+    finally:
+        runner.trainer.shutdown()
+    assert checksums["rollout"] == [checksums["actor"]] * 4
+    model = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+    # the busiest worker (rank 0: the whole 16-row vocabulary, padded to 64 and split 32/32)
+    # received about half; the actor ranks sent each slice once
+    for row in rows:
+        assert 0.4 * model < row["weightsync/bytes"] < 0.6 * model, (row, model)
+        assert row["weightsync/bytes_sent"] == model
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]

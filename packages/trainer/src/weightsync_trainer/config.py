@@ -174,6 +174,12 @@ class RolloutConfig:
             every actor rank serves one replica).
         workers_per_replica: rollout worker processes per replica, each with a full model
             copy; a replica splits each request's prompts across them.
+        tensor_parallel_size: rollout workers per replica that split its model as vLLM's
+            tensor parallelism does (``llama``/``qwen2`` models; ``workers_per_replica`` must
+            then be 1): each receives only its slices from a sharded backend
+            (``gloo_sharded``, ``nixl_sharded``, ``mooncake_sharded``) and keeps its slices
+            of whole tensors from the others; the replica's first worker generates, with
+            the others' slices assembled.
         temperature: sampling temperature.
         checkpoint_manager_class: fully-qualified name of a ``CheckpointEngineManager``
             subclass built instead of the default (``None``: the default).
@@ -183,6 +189,7 @@ class RolloutConfig:
     name: str = "hf"
     num_replicas: int = 2
     workers_per_replica: int = 1
+    tensor_parallel_size: int = 1
     temperature: float = 1.0
     checkpoint_manager_class: str | None = None
     checkpoint_engine: CheckpointEngineConfig = field(
@@ -193,7 +200,13 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _positive("rollout", num_replicas=self.num_replicas,
-                  workers_per_replica=self.workers_per_replica, temperature=self.temperature)
+                  workers_per_replica=self.workers_per_replica,
+                  tensor_parallel_size=self.tensor_parallel_size, temperature=self.temperature)
+        if self.tensor_parallel_size > 1 and self.workers_per_replica != 1:
+            raise ConfigError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size} with "
+                f"rollout.workers_per_replica={self.workers_per_replica}: a tensor-parallel "
+                "replica's workers split one model; set workers_per_replica=1")
 
 
 @dataclass

@@ -68,30 +68,48 @@ class HFRolloutReplica(RayRolloutReplica):
     """One inference server made of rollout worker actors, each with a full model copy.
 
     A request's prompt rows are split across the replica's workers (data parallel inside the
-    replica); with one worker the replica is exactly that worker.
+    replica); with one worker the replica is exactly that worker. With
+    ``rollout.tensor_parallel_size`` > 1 its workers split the model instead (each receives
+    only its tensor-parallel slices) and the first generates with the slices assembled.
     """
 
     @classmethod
     def launch(
         cls, name: str, config: ExperimentConfig, actor_options: dict[str, Any]
     ) -> HFRolloutReplica:
-        """Start ``rollout.workers_per_replica`` :class:`RolloutWorker` actors."""
+        """Start ``rollout.workers_per_replica`` :class:`RolloutWorker` actors, or
+        ``rollout.tensor_parallel_size`` tensor-parallel ones that know each other."""
         from weightsync_trainer.workers.rollout import RolloutWorker
 
         remote = ray.remote(**actor_options)(RolloutWorker)
-        workers = [
-            remote.remote(
-                config.rollout.checkpoint_engine, config.model, config.rollout.temperature,
-                config.trainer.torch_threads,
-            )
-            for _ in range(config.rollout.workers_per_replica)
+        rollout = config.rollout
+        tp_size = rollout.tensor_parallel_size
+        ranks: list[tuple[int, int] | None] = (
+            [None] * rollout.workers_per_replica if tp_size == 1
+            else [(tp_size, rank) for rank in range(tp_size)])
+        workers: list[Any] = [
+            remote.remote(rollout.checkpoint_engine, config.model, rollout.temperature,
+                          config.trainer.torch_threads, tensor_parallel)
+            for tensor_parallel in ranks
         ]
-        return cls(workers, name=name)
+        if tp_size > 1:
+            ray.get([worker.set_tensor_parallel_peers.remote(
+                [peer for peer in workers if peer is not worker]) for worker in workers])
+        replica = cls(workers, name=name)
+        replica.tensor_parallel = tp_size > 1
+        return replica
+
+    tensor_parallel: bool = False
+    """Whether the workers split one model (the first generates) instead of each holding
+    a copy."""
 
     async def generate(
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
     ) -> torch.Tensor:
-        """Responses for ``prompt_ids`` rows, sampled by this replica's workers."""
+        """Responses for ``prompt_ids`` rows, sampled by this replica's workers (by its first
+        worker, the others' slices assembled, where they split the model)."""
+        if self.tensor_parallel:
+            return await self.workers[0].generate.remote(prompt_ids, response_length, seed)
         shares = prompt_ids.tensor_split(min(len(self.workers), prompt_ids.shape[0]))
         outputs = await asyncio.gather(*(
             worker.generate.remote(share, response_length, seed + index)

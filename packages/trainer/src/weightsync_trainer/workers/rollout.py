@@ -10,13 +10,14 @@ import torch
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.workers.generation import HFGenerationServer
+from weightsync_trainer.workers.tensor_parallel import TensorParallelGenerationServer
 
 __all__ = ["RolloutWorker"]
 
 
 class RolloutWorker(CheckpointEngineWorker):
     """One rollout process: a full model copy behind :class:`HFGenerationServer`, in the
-    syncs' ``rollout_dtype``.
+    syncs' ``rollout_dtype`` (or one tensor-parallel rank of a replica's model).
 
     The base class builds the checkpoint engine after importing ``custom_backend_module``.
     """
@@ -27,10 +28,15 @@ class RolloutWorker(CheckpointEngineWorker):
         model: ModelConfig,
         temperature: float,
         torch_threads: int = 1,
+        tensor_parallel: tuple[int, int] | None = None,
     ) -> None:
+        """``tensor_parallel``: ``(size, rank)`` of a worker that receives only its
+        tensor-parallel slices (:class:`TensorParallelGenerationServer`)."""
         torch.set_num_threads(torch_threads)
-        server = HFGenerationServer(model, temperature,
-                                    checkpoint_engine.rollout_torch_dtype)
+        dtype = checkpoint_engine.rollout_torch_dtype
+        server = (HFGenerationServer(model, temperature, dtype) if tensor_parallel is None
+                  else TensorParallelGenerationServer(model, temperature, dtype,
+                                                      *tensor_parallel))
         super().__init__(checkpoint_engine, server)
 
     async def generate(
@@ -39,9 +45,21 @@ class RolloutWorker(CheckpointEngineWorker):
         """Sample responses for ``prompt_ids`` (``[batch, prompt_length]``)."""
         return await self._server().generate(prompt_ids, response_length, seed)
 
-    def weights_checksum(self) -> str:
-        """Digest of the weights this worker serves."""
-        return self._server().weights_checksum()
+    async def weights_checksum(self) -> str:
+        """Digest of the weights this worker serves (a tensor-parallel worker's: the whole
+        model, assembled from its replica's slices)."""
+        server = self._server()
+        if isinstance(server, TensorParallelGenerationServer):
+            await server.make_whole()
+        return server.weights_checksum()
+
+    def set_tensor_parallel_peers(self, peers: list[Any]) -> None:
+        """The other workers of this tensor-parallel replica."""
+        self.server_adapter_of(TensorParallelGenerationServer).set_peers(peers)
+
+    def tensor_parallel_slices(self) -> Any:
+        """This tensor-parallel worker's weights version and slices (for its peers)."""
+        return self.server_adapter_of(TensorParallelGenerationServer).tensor_parallel_slices()
 
     def _server(self) -> HFGenerationServer:
         return self.server_adapter_of(HFGenerationServer)

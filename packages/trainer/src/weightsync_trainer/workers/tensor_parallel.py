@@ -1,0 +1,153 @@
+"""A synthetic tensor-parallel rollout worker: it receives only its tensor-parallel slices of
+a Qwen2/Llama model (as vLLM splits it) from a sharded backend, and assembles the whole
+model from its peers' slices before it serves or reports a checksum. Generation itself is
+not split: the replica's first worker generates once its model is whole."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from weightsync_core.shards import (
+    DecoderShape,
+    Layout,
+    LayoutSpec,
+    resolve_layout,
+    tensor_parallel_spec,
+)
+from weightsync_trainer.config import ModelConfig
+from weightsync_trainer.errors import ConfigError
+from weightsync_trainer.workers.generation import HFGenerationServer
+
+__all__ = ["TENSOR_PARALLEL_MODEL_TYPES", "TensorParallelGenerationServer"]
+
+TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "qwen2"})
+"""Model types whose tensor-parallel split core's ``decoder_tensor_parallel_layout``
+follows."""
+
+Slices = dict[str, tuple[list[list[int]], torch.Tensor]]
+"""Tensor name -> (its box's ranges, the piece) of one worker."""
+
+
+class TensorParallelGenerationServer(HFGenerationServer):
+    """Rank ``tp_rank`` of ``tp_size`` workers that split one replica's model.
+
+    It declares its slices as its ``weight_layout`` (sharded backends deliver only those);
+    other backends deliver whole tensors, of which it keeps its slices
+    (``takes_whole_weights``). Its model holds its own slices, fresh after every sync, and
+    is made whole from its peers' slices (:meth:`set_peers`) when it next generates or
+    reports its checksum; a peer on another weights version is refused, naming it.
+
+    Raises:
+        ConfigError: a model type whose split is not known, or a model that does not
+            divide over ``tp_size`` workers.
+    """
+
+    takes_whole_weights = True
+
+    def __init__(self, model: ModelConfig, temperature: float, dtype: torch.dtype | None,
+                 tp_size: int, tp_rank: int) -> None:
+        super().__init__(model, temperature, dtype)
+        hf_config = self.model.config
+        if hf_config.model_type not in TENSOR_PARALLEL_MODEL_TYPES:
+            raise ConfigError(
+                f"rollout.tensor_parallel_size={tp_size} needs a model of type "
+                f"{' or '.join(sorted(TENSOR_PARALLEL_MODEL_TYPES))}, got "
+                f"{hf_config.model_type!r}")
+        try:
+            self.layout_spec: LayoutSpec = tensor_parallel_spec(
+                DecoderShape.from_hf_config(hf_config), tp_size, tp_rank)
+            shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
+            self.layout: Layout = resolve_layout(self.layout_spec, shapes,
+                                                 f"tensor-parallel rank {tp_rank}")
+        except ValueError as exc:
+            raise ConfigError(f"rollout.tensor_parallel_size={tp_size}: {exc}") from None
+        self.tp_rank = tp_rank
+        self.peers: Sequence[Any] = ()
+        self._whole_version: int | None = None
+        self._assembling = asyncio.Lock()
+
+    def set_peers(self, peers: Sequence[Any]) -> None:
+        """The other workers of this replica (Ray handles with ``tensor_parallel_slices``)."""
+        self.peers = list(peers)
+
+    def weight_layout(self) -> LayoutSpec:
+        """This worker's tensor-parallel slices."""
+        return self.layout_spec
+
+    async def update_weights(
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
+    ) -> None:
+        """Keep this worker's slice of every tensor (a piece of its box's shape, or a whole
+        tensor it cuts its box from); all must arrive."""
+        params = dict(self.model.named_parameters())
+
+        async def own_slices() -> AsyncIterator[tuple[str, torch.Tensor]]:
+            async for name, tensor in weights:
+                target, box = params.get(name), self.layout.boxes.get(name)
+                if target is None or box is None:
+                    raise KeyError(f"received weight {name!r}, which the rollout model lacks")
+                if tuple(tensor.shape) == tuple(target.shape):
+                    tensor = box.cut(tensor)
+                elif tuple(tensor.shape) != box.shape:
+                    raise ValueError(
+                        f"weight {name!r}: received shape {tuple(tensor.shape)}; tensor-"
+                        f"parallel rank {self.tp_rank} needs its slice {box} (shape "
+                        f"{box.shape}) or the whole {tuple(target.shape)}")
+                yield name, tensor
+
+        self._whole_version = None
+        with torch.no_grad():
+            await super().update_weights(_placed(own_slices(), params, self.layout),
+                                         global_steps)
+
+    def tensor_parallel_slices(self) -> tuple[int | None, Slices]:
+        """This worker's weights version and its slice of every tensor."""
+        params = dict(self.model.named_parameters())
+        return self.weights_version, {
+            name: ([list(r) for r in box.ranges], box.cut(params[name].detach()).clone())
+            for name, box in self.layout.boxes.items()}
+
+    async def make_whole(self) -> None:
+        """Copy every peer's slices into this worker's model (once per weights version).
+
+        Raises:
+            RuntimeError: a peer serves another weights version, naming it.
+        """
+        async with self._assembling:
+            if self._whole_version is not None and self._whole_version == self.weights_version:
+                return
+            replies = await asyncio.gather(*(peer.tensor_parallel_slices.remote()
+                                             for peer in self.peers))
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for index, (version, slices) in enumerate(replies):
+                    if version != self.weights_version:
+                        raise RuntimeError(
+                            f"tensor-parallel rank {self.tp_rank}: peer {index} of its replica "
+                            f"holds weights version {version}, this worker {self.weights_version}"
+                            "; the replica is not served half-updated")
+                    for name, (ranges, piece) in slices.items():
+                        params[name][tuple(slice(a, b) for a, b in ranges)].copy_(piece)
+            self._whole_version = self.weights_version
+
+    async def generate(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> torch.Tensor:
+        """Sample with the whole model, assembled from the peers' slices first."""
+        await self.make_whole()
+        return await super().generate(prompt_ids, response_length, seed)
+
+
+async def _placed(slices: AsyncIterator[tuple[str, torch.Tensor]],
+                  params: dict[str, torch.nn.Parameter], layout: Layout
+                  ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Write each slice into its parameter at its box; yield the parameter itself (which
+    the base class then leaves in place)."""
+    async for name, piece in slices:
+        target = params[name]
+        layout.boxes[name].cut(target.detach()).copy_(piece)
+        yield name, target.detach()
