@@ -243,8 +243,10 @@ def test_cli_predicts_sharded_delivery_beside_the_table(capsys):
             "--actor-ranks-per-host", "2", "--nics-per-host", "2", "--sharded"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "sharded delivery (each rollout worker its shard from every actor rank; " \
-        "nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo)" in out
+    # 2 replicas of the same shards: relays between them win
+    assert "sharded delivery, relayed between replicas (each rollout worker its shard from " \
+        "every actor rank; nixl_sharded / mooncake_sharded write it, gloo_sharded sends it " \
+        "over gloo)" in out
     assert main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[-1]["option"].startswith("sharded delivery")

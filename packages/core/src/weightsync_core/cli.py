@@ -175,7 +175,7 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
     print(f"recommended: {best.prediction.backend} ({best.prediction.option}), "
           f"bound by {best.prediction.bound}")
     if sharded is not None:
-        print(f"sharded delivery (each rollout worker its shard from every actor rank; "
+        print(f"{sharded.option} (each rollout worker its shard from every actor rank; "
               f"nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo): "
               f"{sharded.seconds:.2f} s, "
               f"bound by {sharded.bound}; "
