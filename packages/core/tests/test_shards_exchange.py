@@ -68,7 +68,8 @@ def _three_syncs(rank: int, group, results, relay: bool = False) -> None:
     for step in range(3):
         if rank < ACTORS:
             sent = exchange.send(rank, HELD[rank], _shards(rank, step))
-            results.put((rank, {"sent": sent})) if step == 2 else None
+            if step == 2:
+                results.put((rank, {"sent": sent}))
             continue
         worker = rank - ACTORS
         full = _weights(step)
@@ -82,20 +83,33 @@ def _relayed_three_syncs(rank: int, group, results) -> None:
     _three_syncs(rank, group, results, relay=True)
 
 
-def _killed_relay(rank: int, group, results) -> None:
-    """Rollout rank 0, which relays its TP slices to rollout rank 2, dies before the sync."""
-    exchange = _exchange(group, timeout=30.0, relay=True)
-    exchange.agree(rank, ACTORS + len(NEEDED))
-    if rank == ACTORS:
-        os._exit(0)
-    try:
-        if rank < ACTORS:
-            exchange.send(rank, HELD[rank], _shards(rank, 0))
-        else:
-            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
-        results.put((rank, {"error": None}))
-    except TransferError as exc:
-        results.put((rank, {"error": str(exc), "peer": exc.peer}))
+def _one_sync(exchange: PlanExchange, rank: int) -> None:
+    """Group rank ``rank``'s part of one sync: an actor rank sends, a worker receives."""
+    if rank < ACTORS:
+        exchange.send(rank, HELD[rank], _shards(rank, 0))
+    else:
+        list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+
+
+def _dies_before_the_sync(dying: int, relay: bool):
+    """A body in which group rank ``dying`` exits once the plan is agreed; the others
+    report their sync's ``TransferError``."""
+    def body(rank: int, group, results) -> None:
+        exchange = _exchange(group, timeout=30.0, relay=relay)
+        exchange.agree(rank, ACTORS + len(NEEDED))
+        if rank == dying:
+            os._exit(0)
+        try:
+            _one_sync(exchange, rank)
+            results.put((rank, {"error": None}))
+        except TransferError as exc:
+            results.put((rank, {"error": str(exc), "peer": exc.peer}))
+    return body
+
+
+_killed_sender = _dies_before_the_sync(1, relay=False)  # actor rank 1
+_killed_relay = _dies_before_the_sync(ACTORS, relay=True)
+"""Rollout rank 0, which relays its TP slices to rollout rank 2."""
 
 
 def _lying_relay(rank: int, group, results) -> None:
@@ -106,29 +120,11 @@ def _lying_relay(rank: int, group, results) -> None:
     if rank == ACTORS:
         exchange.group = _LyingGroup(group, exchange.first_tag(index))
     try:
-        if rank < ACTORS:
-            exchange.send(rank, HELD[rank], _shards(rank, 0))
-        else:
-            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
+        _one_sync(exchange, rank)
         results.put((rank, {"error": None}))
     except VerificationError as exc:
         results.put((rank, {"error": str(exc), "source": exc.source, "index": index}))
     except TransferError as exc:  # the worker that caught the lie left
-        results.put((rank, {"error": str(exc), "peer": exc.peer}))
-
-
-def _killed_sender(rank: int, group, results) -> None:
-    exchange = _exchange(group, timeout=30.0)
-    exchange.agree(rank, ACTORS + len(NEEDED))
-    if rank == 1:
-        os._exit(0)  # actor rank 1 dies before sending
-    try:
-        if rank == 0:
-            exchange.send(rank, HELD[rank], _shards(rank, 0))
-        else:
-            list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
-        results.put((rank, {"error": None}))
-    except TransferError as exc:
         results.put((rank, {"error": str(exc), "peer": exc.peer}))
 
 

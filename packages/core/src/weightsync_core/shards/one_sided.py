@@ -154,9 +154,8 @@ class OneSidedCarrier:
         rank = group_rank - exchange.actor_ranks
         handing_out = carrier._hand_out_landing(exchange, rank, buffer)
         # the workers this one relays to may relay to it too: its sends are posted first
-        for receiver in sorted({t.receiver for t in exchange.plan.sent_by(rank, relayed=True)}):
-            landing = _receive_landing(exchange, receiver)
-            carrier.receivers[receiver] = (receivers.connect(receiver, landing), landing.buffer)
+        carrier._take_landings_of(exchange, exchange.plan.sent_by(rank, relayed=True),
+                                  receivers)
         for work, peer in handing_out:
             exchange.wait(work, peer, "connecting")
         return carrier
@@ -244,7 +243,12 @@ class OneSidedCarrier:
             return
         largest = max(exchange.piece_bytes(transfer) for transfer in mine)
         self.staging, _ = buffer.at_least(min(largest, exchange.chunk_bytes))
-        for receiver in sorted({transfer.receiver for transfer in mine}):
+        self._take_landings_of(exchange, mine, receivers)
+
+    def _take_landings_of(self, exchange: PlanExchange, transfers: list[Transfer],
+                          receivers: KnownReceivers) -> None:
+        """Receive the landing of every worker ``transfers`` go to and connect to it."""
+        for receiver in sorted({transfer.receiver for transfer in transfers}):
             landing = _receive_landing(exchange, receiver)
             self.receivers[receiver] = (receivers.connect(receiver, landing), landing.buffer)
 
