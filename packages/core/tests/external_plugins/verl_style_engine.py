@@ -35,13 +35,20 @@ class VerlStyleGlooEngine(CheckpointEngine):
         self.rebuild_group = rebuild_group
         self.rank = None
         self.group = None
+        self.listener = None
 
     def prepare(self):
+        # the port stays bound until the store takes it over (verl probes a free port and
+        # closes it: another process may take it meanwhile, which failed a CI run once)
         host = ray.util.get_node_ip_address()
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-        return {"host": host, "port": port}
+        self._close_listener()
+        self.listener = socket.create_server((host, 0))
+        return {"host": host, "port": self.listener.getsockname()[1]}
+
+    def _close_listener(self):
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     @classmethod
     def build_topology(cls, actor_wg_world_size, rollout_world_size, metadata):
@@ -60,10 +67,13 @@ class VerlStyleGlooEngine(CheckpointEngine):
 
     def init_process_group(self, rank, world_size, master):
         self.rank = rank
+        listen_fd = self.listener.detach() if rank == 0 else None
+        self._close_listener()
         if rank < 0:
             return
         store = dist.TCPStore(master["host"], master["port"], world_size, rank == 0,
-                              timeout=datetime.timedelta(seconds=60))
+                              timeout=datetime.timedelta(seconds=60),
+                              master_listen_fd=listen_fd)
         self.group = dist.ProcessGroupGloo(store, rank, world_size,
                                            datetime.timedelta(seconds=60))
 
