@@ -1,5 +1,8 @@
-"""Shared test set-up for weightsync-core: one local Ray instance per session."""
+"""Shared test set-up for weightsync-core: one local Ray instance per session, and processes
+for the tests that run gloo groups of their own outside Ray."""
 
+import multiprocessing
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
 import pytest
@@ -20,3 +23,19 @@ def ray_session():
 def external_plugins_on_path(monkeypatch):
     """Make the external plugin modules importable in this (driver) process."""
     monkeypatch.syspath_prepend(str(EXTERNAL_PLUGINS))
+
+
+@pytest.fixture
+def clean_processes(monkeypatch, pytestconfig) -> ForkServerContext:
+    """A multiprocessing context whose processes fork from a server that never ran Ray.
+
+    This process is a Ray driver: a child forked from it inherits the driver's gRPC
+    connections, and a clean-clone CI run hung once the driver's calls to Ray's GCS stopped
+    being answered right after a test forked it. The targets and arguments of these
+    processes are pickled, so they must be module-level functions of a test module (which
+    the children import as ``packages.core.tests.<module>``, from the root on ``sys.path``).
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "weightsync_core"])
+    monkeypatch.syspath_prepend(str(pytestconfig.rootpath))
+    return context

@@ -1,9 +1,8 @@
-"""A delta sender spread over two real gloo ranks (forked processes): each keeps and diffs
+"""A delta sender spread over two real gloo ranks (processes of their own): each keeps and diffs
 only its slice, the patches are those of one sender keeping the whole copy, and a rank that
 cannot diff makes both raise instead of leaving the other waiting."""
 
 import asyncio
-import multiprocessing
 import traceback
 from datetime import timedelta
 
@@ -124,8 +123,7 @@ def _rank_main(body, rank: int, init_file: str, results) -> None:
             dist.destroy_process_group()
 
 
-def _run_ranks(body, tmp_path) -> dict[int, dict]:
-    context = multiprocessing.get_context("fork")
+def _run_ranks(context, body, tmp_path) -> dict[int, dict]:
     results = context.Queue()
     processes = [context.Process(target=_rank_main,
                                  args=(body, rank, str(tmp_path / "group"), results))
@@ -140,8 +138,9 @@ def _run_ranks(body, tmp_path) -> dict[int, dict]:
     return reports
 
 
-def test_each_rank_keeps_its_slice_and_the_patches_are_the_whole_copys(tmp_path):
-    reports = _run_ranks(_syncs_in_step, tmp_path)
+def test_each_rank_keeps_its_slice_and_the_patches_are_the_whole_copys(clean_processes,
+                                                                       tmp_path):
+    reports = _run_ranks(clean_processes, _syncs_in_step, tmp_path)
     model = reports[0]["model"]
     for rank in range(RANKS):
         # each rank keeps about half (slices start on 8 elements), none the whole model
@@ -152,8 +151,8 @@ def test_each_rank_keeps_its_slice_and_the_patches_are_the_whole_copys(tmp_path)
     assert {kind for kinds in reports[0]["kinds"] for kind in kinds} == {0, 1, 2, 3}
 
 
-def test_a_rank_that_cannot_diff_makes_every_rank_raise(tmp_path):
-    reports = _run_ranks(_troubled_rank_stops_both, tmp_path)
+def test_a_rank_that_cannot_diff_makes_every_rank_raise(clean_processes, tmp_path):
+    reports = _run_ranks(clean_processes, _troubled_rank_stops_both, tmp_path)
     for rank in range(RANKS):
         version_error, layout_error = reports[rank]["errors"]
         assert "actor rank(s) [1] of the 2 that keep the last version do not hold version " \

@@ -1,14 +1,12 @@
-"""A transfer plan moved over a real gloo group of forked processes (2 FSDP actor ranks, 2
-replicas of TP=2 and one of TP=1): bit-exact boxes on every worker over several syncs, with
-and without relays between the replicas, and the failures named: a sender killed mid-sync,
-a lying sender, a relaying worker killed or lying, a plan that differs."""
+"""A transfer plan moved over a real gloo group of processes of their own (2 FSDP actor
+ranks, 2 replicas of TP=2 and one of TP=1): bit-exact boxes on every worker over several
+syncs, with and without relays between the replicas, and the failures named: a sender killed
+mid-sync, a lying sender, a relaying worker killed or lying, a plan that differs."""
 
-import multiprocessing
 import os
 import secrets
 import traceback
 
-import pytest
 import torch
 
 from weightsync_core.errors import TransferError, VerificationError
@@ -47,7 +45,9 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
             for name, shape in SHAPES.items()}
 
 
-KEY = secrets.token_bytes(32)  # the sync's key, as the manager hands it to every process
+KEY = bytes(range(32))
+"""The sync's key, as the manager hands it to every process (each process imports this module
+afresh, so it is no random one)."""
 
 
 def _exchange(group, needed=NEEDED, timeout=20.0, relay=False) -> PlanExchange:
@@ -91,25 +91,28 @@ def _one_sync(exchange: PlanExchange, rank: int) -> None:
         list(exchange.receive(rank - ACTORS, NEEDED[rank - ACTORS]))
 
 
-def _dies_before_the_sync(dying: int, relay: bool):
-    """A body in which group rank ``dying`` exits once the plan is agreed; the others
-    report their sync's ``TransferError``."""
-    def body(rank: int, group, results) -> None:
-        exchange = _exchange(group, timeout=30.0, relay=relay)
-        exchange.agree(rank, ACTORS + len(NEEDED))
-        if rank == dying:
-            os._exit(0)
-        try:
-            _one_sync(exchange, rank)
-            results.put((rank, {"error": None}))
-        except TransferError as exc:
-            results.put((rank, {"error": str(exc), "peer": exc.peer}))
-    return body
+def _dies_before_the_sync(dying: int, relay: bool, rank: int, group, results) -> None:
+    """Group rank ``dying`` exits once the plan is agreed; the others report their sync's
+    ``TransferError``."""
+    exchange = _exchange(group, timeout=30.0, relay=relay)
+    exchange.agree(rank, ACTORS + len(NEEDED))
+    if rank == dying:
+        os._exit(0)
+    try:
+        _one_sync(exchange, rank)
+        results.put((rank, {"error": None}))
+    except TransferError as exc:
+        results.put((rank, {"error": str(exc), "peer": exc.peer}))
 
 
-_killed_sender = _dies_before_the_sync(1, relay=False)  # actor rank 1
-_killed_relay = _dies_before_the_sync(ACTORS, relay=True)
-"""Rollout rank 0, which relays its TP slices to rollout rank 2."""
+def _killed_sender(rank: int, group, results) -> None:
+    """Actor rank 1 dies."""
+    _dies_before_the_sync(1, False, rank, group, results)
+
+
+def _killed_relay(rank: int, group, results) -> None:
+    """Rollout rank 0 dies, which relays its TP slices to rollout rank 2."""
+    _dies_before_the_sync(ACTORS, True, rank, group, results)
 
 
 def _lying_relay(rank: int, group, results) -> None:
@@ -214,6 +217,7 @@ def _process(body, rank: int, size: int, port: int, listener, key: bytes, result
                              listener if rank == 0 else None)
         rendezvous(store, rank, size, 30.0)
         group = new_gloo_group(store.store, rank, size, 30.0, "127.0.0.1")
+        torch.set_num_threads(1)
         body(rank, group, results)
     except BaseException:  # reported to the test, which fails on it
         results.put((rank, {"failed": traceback.format_exc()}))
@@ -223,9 +227,8 @@ def _process(body, rank: int, size: int, port: int, listener, key: bytes, result
         os._exit(0)  # no atexit: the store server of rank 0 may still serve the others
 
 
-def _run(body) -> dict[int, dict]:
+def _run(context, body) -> dict[int, dict]:
     size = ACTORS + len(NEEDED)
-    context = multiprocessing.get_context("fork")
     results = context.Queue()
     listener = listen_on_free_port("127.0.0.1")
     port = listener.getsockname()[1]
@@ -252,8 +255,8 @@ def _run(body) -> dict[int, dict]:
     return reports
 
 
-def test_fsdp_ranks_deliver_every_workers_boxes_bit_exact_over_three_syncs():
-    reports = _run(_three_syncs)
+def test_fsdp_ranks_deliver_every_workers_boxes_bit_exact_over_three_syncs(clean_processes):
+    reports = _run(clean_processes, _three_syncs)
     model = sum(torch.Size(shape).numel() for shape in SHAPES.values()) * 2
     per_worker = [reports[ACTORS + worker]["received"] for worker in range(len(NEEDED))]
     assert per_worker[4] == model  # the TP=1 worker: everything
@@ -261,12 +264,12 @@ def test_fsdp_ranks_deliver_every_workers_boxes_bit_exact_over_three_syncs():
     assert all(0.4 * model < size < 0.6 * model for size in per_worker[:4]), per_worker
 
 
-def test_relays_deliver_every_workers_boxes_bit_exact_with_each_slice_sent_once():
+def test_relays_deliver_every_workers_boxes_bit_exact_with_each_slice_sent_once(clean_processes):
     """With relays the workers receive the same bytes, bit-exact, over three syncs, while
     the actor ranks send each distinct box once (the TP=1 worker's model and one TP=2
     replica's slices): the other replica's slices are forwarded by the first's workers."""
-    reports = _run(_relayed_three_syncs)
-    plain = _run(_three_syncs)
+    reports = _run(clean_processes, _relayed_three_syncs)
+    plain = _run(clean_processes, _three_syncs)
     assert [reports[ACTORS + w]["received"] for w in range(len(NEEDED))] == [
         plain[ACTORS + w]["received"] for w in range(len(NEEDED))]
     distinct = {(name, box) for layout in NEEDED for name, box in layout.boxes.items()}
@@ -276,53 +279,46 @@ def test_relays_deliver_every_workers_boxes_bit_exact_with_each_slice_sent_once(
         plain[rank]["sent"] for rank in range(ACTORS))
 
 
-def test_a_killed_relaying_worker_is_named_by_the_worker_it_relays_to():
-    reports = _run(_killed_relay)
+def test_a_killed_relaying_worker_is_named_by_the_worker_it_relays_to(clean_processes):
+    reports = _run(clean_processes, _killed_relay)
     assert reports[ACTORS + 2]["peer"] == "rollout rank 0", reports[ACTORS + 2]
 
 
-def test_a_relayed_piece_that_differs_from_its_checksum_is_caught_and_names_the_relay():
-    reports = _run(_lying_relay)
+def test_a_relayed_piece_that_differs_from_its_checksum_is_caught_and_names_the_relay(
+        clean_processes):
+    reports = _run(clean_processes, _lying_relay)
     assert reports[ACTORS + 2]["source"] == "rollout rank 0", reports[ACTORS + 2]
     assert "from rollout rank 0 is corrupt: it differs from its sender's checksum" in \
         reports[ACTORS + 2]["error"]
 
 
-def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows():
-    reports = _run(_killed_sender)
+def test_a_killed_sender_is_named_by_the_workers_waiting_for_its_rows(clean_processes):
+    reports = _run(clean_processes, _killed_sender)
     for worker in range(len(NEEDED)):
         report = reports[ACTORS + worker]
         assert report["error"] is not None, f"rollout rank {worker} did not fail"
         assert report["peer"] == "actor rank 1", report
 
 
-def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named():
-    reports = _run(_lying_sender)
+def test_a_piece_that_differs_from_its_senders_checksum_is_caught_and_named(clean_processes):
+    reports = _run(clean_processes, _lying_sender)
     _only_the_liars_receiver_caught_it(reports)
     assert reports[ACTORS + 4]["source"] == "actor rank 0"
     assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 is corrupt: it " \
         "differs from its sender's checksum" in reports[ACTORS + 4]["error"]
 
 
-def test_a_checksum_not_sealed_under_the_syncs_key_is_refused():
+def test_a_checksum_not_sealed_under_the_syncs_key_is_refused(clean_processes):
     """Other bytes with a matching checksum, sealed under another key (an outsider who
     raced a gloo connection): refused, never loaded."""
-    reports = _run(_forging_sender)
+    reports = _run(clean_processes, _forging_sender)
     _only_the_liars_receiver_caught_it(reports)
     assert "the piece [0:17] of tensor 'model.norm.weight' from actor rank 0 came with a " \
         "checksum not sealed under this sync's key" in reports[ACTORS + 4]["error"]
 
 
-def test_processes_whose_plans_differ_refuse_before_any_byte_moves():
-    reports = _run(_other_plan)
+def test_processes_whose_plans_differ_refuse_before_any_byte_moves(clean_processes):
+    reports = _run(clean_processes, _other_plan)
     for rank, report in reports.items():
         assert "the transfer plan of rollout rank 4 differs" in report["error"] or (
             rank == ACTORS + 4 and "differs from this one" in report["error"]), (rank, report)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
