@@ -10,14 +10,22 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import resource
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from weightsync_core.errors import GroupInitTimeoutError
+from weightsync_core.gloo_listener import (
+    MAX_STRAY_CONNECTIONS,
+    FormationGuard,
+    find_new_listener,
+    listening_sockets,
+)
 from weightsync_core.sealed_store import SealedStore, SealedStoreServer
 
 __all__ = [
@@ -28,11 +36,13 @@ __all__ = [
     "default_host",
     "listen_on_free_port",
     "new_gloo_group",
+    "raise_descriptor_limit",
     "rendezvous",
     "reserve_port",
 ]
 
 HOST_ENV = "WEIGHTSYNC_HOST"
+_DEVICE_CREATION = threading.Lock()
 
 
 def default_host() -> str:
@@ -203,9 +213,42 @@ def rendezvous(store: RendezvousStore, rank: int, world_size: int, timeout: floa
 def new_gloo_group(
     store: Store, rank: int, world_size: int, timeout: float, host: str
 ) -> ProcessGroupGloo:
-    """A gloo process group on ``store``, bound to ``host``; the default group is untouched."""
+    """A gloo process group on ``store``, bound to ``host``; the default group is untouched.
+
+    gloo's listener is open only while the group forms (:mod:`weightsync_core.gloo_listener`):
+    once every pair is connected no one can connect to it, and a flood of connections
+    while it forms closes it early, failing the group instead of the process.
+
+    Raises:
+        GroupInitTimeoutError: the group did not form within ``timeout``; naming the flood
+            when stray connections closed the listener.
+    """
+    raise_descriptor_limit()
+    with _DEVICE_CREATION:  # another group's device would be a second new listener
+        before = listening_sockets()
+        device = ProcessGroupGloo.create_device(hostname=host, lazy_init=False)
+        listener = find_new_listener(before)
     # torch's stub omits ``_Options`` (the class the constructor takes) and that overload.
     options = ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
     options._timeout = datetime.timedelta(seconds=timeout)
-    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-    return ProcessGroupGloo(store, rank, world_size, options)
+    options._devices = [device]
+    with FormationGuard(listener, peers=world_size - 1) as guard:
+        try:
+            return ProcessGroupGloo(store, rank, world_size, options)
+        except RuntimeError as exc:
+            if not guard.flooded:
+                raise
+            raise GroupInitTimeoutError(
+                f"rank {rank}'s gloo listener (port {guard.listener.port} of {host}) held more "
+                f"than {MAX_STRAY_CONNECTIONS} connections that were not its group's while the "
+                f"group of {world_size} formed, and was closed: a connection flood from "
+                f"outside the sync; the group did not form ({exc})", missing_ranks=[],
+            ) from exc
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
