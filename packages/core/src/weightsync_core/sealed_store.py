@@ -15,10 +15,16 @@ lists keys. Before a request is authenticated it costs the server little: a fram
 :data:`MAX_FRAME_BYTES` closes the connection before it is read, a request must arrive whole
 within :data:`REQUEST_SECONDS` of the connection, and at most :data:`MAX_CONNECTIONS`
 connections wait for their request at once (a new one closes the oldest: a member, who
-sends its request as soon as it connects, gets through a flood of idle connections; a
-request closed unanswered is sent again, up to :data:`REQUEST_ATTEMPTS` times). A group
-kept between syncs keeps its store under the key of the sync that built it, which no one
-outside that sync ever held.
+sends its request as soon as it connects, gets through a flood of idle connections).
+
+A flood of connections (opened and closed as fast as an attacker's program can) fills the
+listener's queue, and the kernel drops a connection that finds it full: a member would then
+wait for TCP's retransmission, a second and more, doubling each time. A member instead gives
+a connection :data:`CONNECT_SECONDS` to open and then opens a new one, and sends a request
+the store closed unanswered (it never took it) again under a new nonce, until the
+request's deadline: a flood delays a member by its own length at most, never past it.
+A group kept between syncs keeps its store under the key of the sync that built it, which no
+one outside that sync ever held.
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ from weightsync_core.errors import MalformedMessageError, UnauthenticatedMessage
 from weightsync_core.wire import MessageCodec, MessageSealer, worth_logging
 
 __all__ = [
+    "CONNECT_SECONDS",
     "MAX_CONNECTIONS",
     "MAX_FRAME_BYTES",
-    "REQUEST_ATTEMPTS",
     "REQUEST_SECONDS",
     "SealedStore",
     "SealedStoreServer",
@@ -58,11 +64,9 @@ REQUEST_SECONDS = 2.0
 """A connection must deliver its whole request within this time, or it is closed."""
 MAX_CONNECTIONS = 256
 """Connections waiting for their request at once; a new one closes the oldest."""
-REQUEST_ATTEMPTS = 3
-"""How often a member sends a request the store closed unanswered (each time under a new
-nonce): on a lossy link a retransmission can hold a request past :data:`REQUEST_SECONDS`
-(a TCP retransmission timeout after a lost SYN-ACK is 3 s), and a flood of idle connections
-can crowd a member's out."""
+CONNECT_SECONDS = 0.25
+"""How long a member waits for a connection to the store to open before it tries a new one
+(a full listener queue drops the attempt, and TCP would retry only after a second)."""
 MAX_KEYS = 1 << 16
 MAX_STORED_BYTES = 64 << 20
 """What members may store in all (a guard against a member's bug, not against outsiders,
@@ -361,7 +365,7 @@ class SealedStore(Store):
             try:
                 reply = self._exchange(request, deadline)
             except _ClosedUnanswered as exc:
-                if attempt < REQUEST_ATTEMPTS and time.monotonic() < deadline:
+                if time.monotonic() < deadline:
                     continue
                 raise self._unanswered(op, exc, attempt) from exc
             except (OSError, MalformedMessageError, UnauthenticatedMessageError) as exc:
@@ -379,8 +383,7 @@ class SealedStore(Store):
             _ClosedUnanswered: the server closed the connection before any byte of a reply
                 (it did not take the request).
         """
-        with socket.create_connection((self.host, self.port),
-                                      timeout=self._timeout) as connection:
+        with self._connect(deadline) as connection:
             try:
                 connection.sendall(_frame(self._sealer.seal(_REQUESTS.encode(request))))
                 header = _receive(connection, _LENGTH.size, deadline)
@@ -394,6 +397,24 @@ class SealedStore(Store):
             except _ClosedUnanswered as exc:  # the header came: the request was taken
                 raise ConnectionError("the store closed the connection mid-reply") from exc
             return _REPLIES.decode(self._sealer.open(body))
+
+    def _connect(self, deadline: float) -> socket.socket:
+        """A connection to the store, opened within :data:`CONNECT_SECONDS` (attempts that
+        take longer are dropped for new ones until ``deadline``).
+
+        Raises:
+            _ClosedUnanswered: no attempt opened before ``deadline``.
+            OSError: the store refused the connection (it does not listen).
+        """
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _ClosedUnanswered("no connection to the store opened in time")
+            try:
+                return socket.create_connection((self.host, self.port),
+                                                timeout=min(CONNECT_SECONDS, left))
+            except TimeoutError:
+                continue
 
     def _unanswered(self, op: Operation, exc: Exception, attempts: int) -> dist.DistStoreError:
         tries = f" ({attempts} tries)" if attempts > 1 else ""
