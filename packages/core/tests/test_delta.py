@@ -19,7 +19,14 @@ from weightsync_core.delta import (
 )
 from weightsync_core.delta_ledger import DeltaLedger
 from weightsync_core.errors import ManifestChangedError, VerificationError
-from weightsync_core.testing.weights import ONE_ELEMENT, make_weights, sparse_updates
+from weightsync_core.testing.weights import (
+    ONE_ELEMENT,
+    convert_in_place,
+    digest,
+    digests,
+    make_weights,
+    sparse_updates,
+)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -151,6 +158,27 @@ def test_a_server_that_offers_its_tensors_is_patched_in_place_and_no_copy_is_kep
     with pytest.raises(VerificationError, match="tensor 'w' rebuilt from its delta"):
         _sync(sender, receiver, weights, DeltaPlan("v4", receiver.version), torch.bfloat16,
               server)
+
+
+def test_what_a_server_gets_is_its_own_to_keep_or_convert():
+    """Eleven syncs (full, then ten of patches) to a server that converts every tensor in
+    place once it has it and keeps them all: each sync rebuilds the sender's tensors bit-exact,
+    and no kept tensor changes after the server's conversion."""
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    weights = make_weights(7, 1 << 16)
+    plan = DeltaPlan(version="v0")
+    kept = []
+    for step in range(11):
+        if step:
+            weights = sparse_updates(weights, [(step, 0.02)])
+            plan = DeltaPlan(version=f"v{step}", base=plan.version)
+        received, _ = _sync(sender, receiver, weights, plan, torch.bfloat16)
+        assert {name: digest(t) for name, t in received.items()} == digests(weights,
+                                                                             torch.bfloat16)
+        for tensor in received.values():
+            convert_in_place(tensor)
+            kept.append((tensor, digest(tensor)))
+    assert [seen for _, seen in kept] == [digest(tensor) for tensor, _ in kept]
 
 
 def test_sender_and_receiver_move_versions_and_forget_on_failure():

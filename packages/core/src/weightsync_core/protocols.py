@@ -84,6 +84,10 @@ class RolloutReplica(Protocol):
 class ServerAdapter(Protocol):
     """The inference server inside a rollout worker process, as the engine sees it.
 
+    The tensors ``update_weights`` receives are the server's own, with delta sync too: it may
+    keep them or convert them in place, and no later sync changes them (save the tensors
+    it offers for patching in place, below).
+
     Optional: ``patchable_weights() -> Mapping[str, torch.Tensor]``, the server's own weight
     tensors by the names syncs send (detached, contiguous), which delta syncs may patch in
     place. Where a received tensor has the shape and dtype of the server's, the worker then

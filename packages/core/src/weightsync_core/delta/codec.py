@@ -266,9 +266,10 @@ def layout_changed(name: str, last: tuple[torch.Size, torch.dtype] | None,
 class DeltaReceiver(_Versioned):
     """A rollout worker's side: keeps the last received version and rebuilds each tensor of
     a delta sync from its patch, checking the whole result against the sender's digest
-    before the server sees it. The last version is a host copy of each tensor, or, where
-    the server offers its own tensor of that shape and dtype (``in_place``), that tensor,
-    patched where it lives."""
+    before the server sees it. The last version is a host copy of each tensor, private to
+    this receiver (the server gets tensors of its own, which it may keep or change), or,
+    where the server offers its own tensor of that shape and dtype (``in_place``), that
+    tensor, patched where it lives."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,12 +298,14 @@ class DeltaReceiver(_Versioned):
         self, stream: AsyncIterator[tuple[str, torch.Tensor]], plan: DeltaPlan,
         who: str = "this rollout worker", in_place: Mapping[str, torch.Tensor] | None = None,
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Whole tensors from what arrived. In a delta sync they are this receiver's own
-        copies, valid until the next sync changes them, or, for a name in ``in_place`` (the
-        server's own tensors: see :meth:`stream`), the server's tensor itself, patched.
-        A full sync keeps the server's tensor of a name as the copy of the version where
-        it has the received tensor's shape, dtype and device and is contiguous (the server
-        loads the tensor into it; it must not change it between syncs), else a host copy.
+        """Whole tensors from what arrived, the server's to keep or change: no later sync
+        writes into them. In a full sync they are the tensors that arrived; in a delta sync,
+        a copy of this receiver's copy once patched (:meth:`_handed_over`), or, for a name
+        in ``in_place`` (the server's own tensors: see :meth:`stream`), the server's tensor
+        itself, patched. A full sync keeps the server's tensor of a name as the copy of the
+        version where it has the received tensor's shape, dtype and device and is
+        contiguous (the server loads the tensor into it; it must not change it between
+        syncs), else a host copy of its own.
 
         Raises:
             DeltaBaselineError: a delta sync against a version this receiver does not hold
@@ -319,8 +322,8 @@ class DeltaReceiver(_Versioned):
                 tensor = self._apply(name, tensor, who, stats)
             else:
                 target = _patchable(in_place, name, tensor)
-                if target is None:
-                    self.baselines[name] = tensor = _host_copy(tensor)
+                if target is None:  # the server gets the tensor that arrived
+                    self.baselines[name] = _host_copy(tensor)
                     self._in_place.discard(name)
                 else:  # the server loads ``tensor`` into it
                     self.baselines[name] = target
@@ -331,8 +334,16 @@ class DeltaReceiver(_Versioned):
             yield name, tensor
         self._end(plan, seen)
 
+    def _handed_over(self, name: str, patched: torch.Tensor) -> torch.Tensor:
+        """What the server gets of ``name`` once its copy is ``patched``: the server's own
+        tensor where it is patched in place, else a copy (the next sync patches this
+        receiver's copy, and the server may keep what it gets, or change it while loading)."""
+        return patched if name in self._in_place else patched.clone()
+
     def _apply(self, name: str, patch: torch.Tensor, who: str,
                stats: DeltaStats) -> torch.Tensor:
+        """Apply ``patch`` to this receiver's copy of ``name``; returns what the server gets
+        (:meth:`_handed_over`), the time it took counted in ``stats``."""
         baseline = self.baselines.get(name)
         if baseline is None:
             self.forget()
@@ -352,6 +363,7 @@ class DeltaReceiver(_Versioned):
         except ValueError as exc:
             self.forget()
             raise VerificationError(f"{who}: {exc}", tensors=[name]) from None
+        served = self._handed_over(name, baseline)
         stats.seconds += time.perf_counter() - start
         stats.changed += patch_stats.changed
-        return baseline
+        return served

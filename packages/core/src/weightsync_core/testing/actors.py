@@ -23,6 +23,7 @@ from weightsync_core.testing.resources import process_resources
 from weightsync_core.testing.weights import (
     Faults,
     TensorDigest,
+    convert_in_place,
     digest,
     faulty_stream,
     make_weights,
@@ -96,6 +97,8 @@ class RecordingServerAdapter:
     to spend on each tensor (a slow server). ``keep``: hold on to every
     received tensor, across updates, like a server that adopts the engine's tensors as its
     parameters; :meth:`changed_kept_tensors` tells which of them were overwritten since.
+    ``convert``: change every received tensor in place once its digest is taken, as a server
+    that converts weights while loading them does (what it keeps is the converted tensor).
     """
 
     def __init__(self) -> None:
@@ -107,6 +110,7 @@ class RecordingServerAdapter:
         self.delay_per_tensor = 0.0
         self.discard = False
         self.keep = False
+        self.convert = False
         self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest | None]] = {}
         self.layout: LayoutSpec | None = None
 
@@ -126,8 +130,11 @@ class RecordingServerAdapter:
             if self.delay_per_tensor:
                 await asyncio.sleep(self.delay_per_tensor)
             received[name] = None if self.discard else digest(tensor)
+            if self.convert:
+                convert_in_place(tensor)
             if self.keep:
-                self.kept[(global_steps, name)] = (tensor, received[name])
+                self.kept[(global_steps, name)] = (
+                    tensor, digest(tensor) if self.convert else received[name])
         self.received = received
         self.global_steps.append(global_steps)
 
@@ -168,16 +175,19 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         discard: bool = False,
         keep: bool = False,
         delay_per_tensor: float = 0.0,
+        convert: bool = False,
     ) -> None:
         """Make the server die or stall after that many tensors (``None``: behave), take
-        ``delay_per_tensor`` seconds per tensor, skip digests (``discard``), or keep every
-        tensor until the update ends (``keep``)."""
+        ``delay_per_tensor`` seconds per tensor, skip digests (``discard``), keep every
+        tensor until the update ends (``keep``), or change each in place as it loads it
+        (``convert``)."""
         adapter = self._recorder()
         adapter.die_after = die_after
         adapter.stall_after = stall_after
         adapter.delay_per_tensor = delay_per_tensor
         adapter.discard = discard
         adapter.keep = keep
+        adapter.convert = convert
         if not keep:
             adapter.kept.clear()
 

@@ -17,6 +17,7 @@ __all__ = [
     "ONE_ELEMENT",
     "Faults",
     "TensorDigest",
+    "convert_in_place",
     "digest",
     "digests",
     "faulty_stream",
@@ -180,6 +181,16 @@ def digest(tensor: torch.Tensor) -> TensorDigest:
     data = as_bytes(tensor.detach().cpu())
     payload = data.numpy().data if data.numel() else b""
     return tuple(tensor.shape), str(tensor.dtype), xxhash.xxh3_64_intdigest(payload)
+
+
+def convert_in_place(tensor: torch.Tensor) -> None:
+    """Change every element of ``tensor`` where it lives, keeping its dtype, shape and
+    storage (flip the lowest bit of each byte), as a server's in-place conversion on load
+    (a ``mul_``, a ``copy_`` into it) would."""
+    converted = tensor.contiguous()
+    converted.reshape(-1).view(torch.uint8).bitwise_xor_(1)
+    if converted is not tensor:
+        tensor.copy_(converted)
 
 
 def digests(
