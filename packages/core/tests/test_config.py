@@ -135,3 +135,30 @@ def test_the_64_gib_cap_holds_beside_this_machine_s_real_memory():
     with pytest.raises(ValueError, match=f"GiB of physical memory. The largest accepted here "
                                          f"is {memory // 3 >> 20} MiB"):
         CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=MAX_BUCKET_MEGABYTES)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "uint8", "complex64", "float64",
+                                   "float8_e4m3fn", torch.int8])
+def test_a_rollout_dtype_no_replica_serves_is_refused_naming_those_accepted(dtype):
+    from weightsync_core import CheckpointEngineRegistry
+
+    accepted = r"a replica serves only 'bfloat16', 'float16', 'float32'; set rollout_dtype"
+    with pytest.raises(ValueError, match=rf"rollout_dtype .* cannot be a rollout dtype: .*"
+                                         rf"{accepted}"):
+        CheckpointEngineConfig(backend="gloo", rollout_dtype=dtype)
+    with pytest.raises(ValueError, match=accepted):  # an engine built without a config
+        CheckpointEngineRegistry.new("gloo", bucket_size=1 << 20, rollout_dtype=dtype)
+
+
+def test_the_rollout_dtypes_replicas_serve_are_accepted():
+    for dtype in ("bfloat16", "torch.float16", "float32", torch.bfloat16):
+        assert CheckpointEngineConfig(rollout_dtype=dtype).rollout_torch_dtype == parse_dtype(dtype)
+
+
+def test_full_verify_every_without_delta_is_refused():
+    with pytest.raises(ValueError, match=r"full_verify_every=3 applies to delta sync only, and "
+                                         r"delta is off .*: set delta=True as well, or drop "
+                                         r"full_verify_every"):
+        CheckpointEngineConfig(backend="gloo", full_verify_every=3)
+    assert CheckpointEngineConfig(backend="gloo", delta=True, full_verify_every=3)
+    assert CheckpointEngineConfig(backend="gloo", full_verify_every=0)

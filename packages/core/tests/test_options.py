@@ -149,3 +149,25 @@ def test_a_rollout_worker_given_a_host_of_no_interface_of_its_machine_fails_as_i
     with pytest.raises(ray.exceptions.RayActorError) as info:
         ray.get(worker.weights_status.remote(), timeout=120)
     assert "EngineOptionsError: backend 'gloo': option 'host'" in str(info.value)
+
+
+@pytest.mark.parametrize("chunk", [1e12, 65536.5, 1e-9, 0])
+def test_a_chunk_of_the_sharded_backends_beyond_the_largest_bucket_or_below_a_byte_is_refused(
+        chunk):
+    from weightsync_core.engines.sharded_transport import ShardedTransportOptions
+
+    message = (f"option 'chunk_megabytes' must be at least one byte (2**-20 MiB) and at most "
+               f"65536 (64 GiB, the largest bucket), got {float(chunk)!r}")
+    with pytest.raises(EngineOptionsError, match="backend 'gloo_sharded'") as raised:
+        CheckpointEngineConfig(backend="gloo_sharded",
+                               engine_kwargs={"gloo_sharded": {"chunk_megabytes": chunk}})
+    assert message in str(raised.value)
+    with pytest.raises(ValueError) as raised:  # nixl_sharded's and mooncake_sharded's base
+        ShardedTransportOptions(chunk_megabytes=float(chunk))
+    assert message in str(raised.value)
+
+
+def test_chunks_from_one_byte_to_the_largest_bucket_are_accepted():
+    for chunk in (2**-20, 0.004, 64, 65536):
+        CheckpointEngineConfig(backend="gloo_sharded",
+                               engine_kwargs={"gloo_sharded": {"chunk_megabytes": chunk}})

@@ -127,3 +127,54 @@ def test_a_process_applies_the_driver_allowlist_beside_its_own(monkeypatch,
     monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company")  # both lists must allow it
     with pytest.raises(PluginError, match=r"WEIGHTSYNC_TRUSTED_MODULES=my_company\. Ask"):
         load_custom_backend_module("acme_weightsync", ("acme_weightsync",))
+
+
+def test_an_allowlist_set_after_the_config_was_built_binds_the_processes_it_is_sent_to(
+        monkeypatch, external_plugins_on_path):
+    """The driver builds the config (and imports the module) before the operator sets the
+    allowlist; a worker whose environment predates the variable builds its engine from the
+    config Ray pickled after it was set."""
+    import pickle
+
+    from weightsync_core.worker import build_engine
+
+    monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES", raising=False)
+    config = CheckpointEngineConfig(backend="acme_gloo", custom_backend_module="acme_weightsync",
+                                    update_weights_bucket_megabytes=1)
+    assert config.trusted_modules is None
+    monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company")  # in the driver only
+    sent = pickle.dumps(config)  # as Ray hands it to a worker
+    monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES")  # the worker's environment
+    carried = pickle.loads(sent)
+    assert carried.trusted_modules == ("my_company",) and carried == config
+    with pytest.raises(PluginError, match=(
+            r"custom_backend_module='acme_weightsync' is not allowed: the operator restricted "
+            r"loadable modules with WEIGHTSYNC_TRUSTED_MODULES=my_company in the driver's "
+            r"environment")):
+        build_engine(carried)
+
+
+def test_the_lists_in_force_where_a_config_was_built_and_where_it_was_sent_both_apply(
+        monkeypatch, external_plugins_on_path):
+    from weightsync_core.plugins import allowed_by_both
+
+    assert allowed_by_both(("acme", "my_company.plugins"), ("acme.gloo", "my_company")) == (
+        "acme.gloo", "my_company.plugins")
+    assert allowed_by_both(None, ("acme",)) == ("acme",) == allowed_by_both(("acme",), None)
+    assert allowed_by_both(None, None) is None
+    assert allowed_by_both(("acme",), ("acme_weightsync",)) == ()
+    with pytest.raises(PluginError, match=r"WEIGHTSYNC_TRUSTED_MODULES=\(no prefix both of its "
+                                          r"lists allow\) in the driver's environment"):
+        load_custom_backend_module("acme_weightsync", trusted=())
+
+
+@pytest.mark.parametrize("module", ["weightsync_core", "weightsync_core.engines.gloo",
+                                    ["acme_weightsync", "weightsync_core.engines"]])
+def test_a_core_module_is_refused_as_a_custom_backend_module(module, external_plugins_on_path):
+    message = (r"is a module of weightsync_core, whose backends \((\w+, )*gloo(, \w+)*\) are "
+               r"registered already: a core module registers nothing of its own. Drop it and "
+               r"set backend=")
+    with pytest.raises(PluginError, match=message):
+        CheckpointEngineConfig(backend="gloo", custom_backend_module=module)
+    with pytest.raises(PluginError, match=message):
+        load_custom_backend_module(module)

@@ -1,6 +1,9 @@
 """Layouts and transfer plans: FSDP2 rows into tensor-parallel workers, moving real tensors
 piece by piece, bit-exact, and the errors of layouts that cannot work."""
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from weightsync_core.shards import (
     TransferPlan,
     decoder_tensor_parallel_layout,
     fsdp_layout,
+    resolve_layout,
 )
 from weightsync_core.testing.weights import DECODER, make_weights
 
@@ -180,8 +184,6 @@ def test_layouts_that_cannot_work_fail_naming_what_is_wrong():
 
 
 def test_a_decoder_shape_is_read_from_a_hugging_face_config():
-    from types import SimpleNamespace
-
     llama = SimpleNamespace(num_attention_heads=4, num_key_value_heads=None, hidden_size=32,
                             intermediate_size=48)
     assert DecoderShape.from_hf_config(llama) == DecoderShape(4, 4, 8, 48)
@@ -189,3 +191,41 @@ def test_a_decoder_shape_is_read_from_a_hugging_face_config():
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=32,
         intermediate_size=48))
     assert DecoderShape.from_hf_config(nested) == DecoderShape(4, 2, 16, 48)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"fsdp": {"world_size": 2.7, "rank": 0}}, "fsdp world_size must be an integer, got 2.7 "
+                                                "(float)"),
+    ({"fsdp": {"world_size": "2", "rank": 0}}, "fsdp world_size must be an integer, got '2' "
+                                                "(str)"),
+    ({"fsdp": {"world_size": 2, "rank": True}}, "fsdp rank must be an integer, got True (bool)"),
+    ({"tensor_parallel": {"size": 2.0, "rank": 0, **vars(MODEL)}},
+     "tensor_parallel size must be an integer, got 2.0 (float)"),
+    ({"boxes": {"step": [], "lm_head.weight": [[0, 50.5], [0, 32]]}},
+     "boxes 'lm_head.weight' stop must be an integer, got 50.5 (float)"),
+])
+def test_a_layout_spec_whose_ranks_or_sizes_are_no_integers_is_refused(spec, message):
+    with pytest.raises(ValueError, match=re.escape(
+            f"actor rank 1: its layout {spec!r} cannot be used: {message}; declare it as an "
+            "int, not a float, str or bool")):
+        resolve_layout(spec, SHAPES, "actor rank 1")
+
+
+@pytest.mark.parametrize("value", [0, -2, 8.0, True])
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "intermediate_size"])
+def test_a_decoder_geometry_of_no_positive_integer_is_refused_naming_the_field(field, value):
+    message = re.escape(f"DecoderShape {field} must be a positive integer, got {value!r}")
+    with pytest.raises(ValueError, match=message):
+        DecoderShape(**{**vars(MODEL), field: value})
+    spec = {"tensor_parallel": {"size": 2, "rank": 0, **vars(MODEL), field: value}}
+    with pytest.raises(ValueError, match=r"rollout rank 0: its layout .* cannot be used: "
+                                         + message):  # not a ZeroDivisionError
+        resolve_layout(spec, SHAPES, "rollout rank 0")
+
+
+def test_a_hugging_face_config_of_no_attention_heads_is_refused_naming_the_field():
+    config = SimpleNamespace(num_attention_heads=0, hidden_size=32, intermediate_size=48)
+    with pytest.raises(ValueError, match="DecoderShape num_attention_heads must be a positive "
+                                         "integer, got 0"):
+        DecoderShape.from_hf_config(config)

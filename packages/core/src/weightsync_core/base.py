@@ -16,7 +16,7 @@ import torch
 
 from weightsync_core.bucketing import WeightsSource
 from weightsync_core.delta.codec import ShareEncoder
-from weightsync_core.dtypes import parse_dtype
+from weightsync_core.dtypes import parse_rollout_dtype
 from weightsync_core.errors import EngineOptionsError, WeightSyncError
 from weightsync_core.options import (
     CONFIG_SETTINGS,
@@ -106,7 +106,8 @@ class CheckpointEngine(ABC):
 
     Args:
         bucket_size: bytes per transfer bucket.
-        rollout_dtype: cast floating-point tensors to this dtype before sending.
+        rollout_dtype: cast floating-point tensors to this dtype before sending (one of
+            :data:`~weightsync_core.dtypes.ROLLOUT_DTYPES`, else ``ValueError``).
         verify: check deliveries against the sender's manifest (engines that move bytes).
         timeout: seconds any single wait may take before the engine raises.
         **options: the backend's ``engine_kwargs``, checked against its ``options_class``
@@ -184,7 +185,7 @@ class CheckpointEngine(ABC):
         if bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
         self.bucket_size = int(bucket_size)
-        self.rollout_dtype = parse_dtype(rollout_dtype)
+        self.rollout_dtype = parse_rollout_dtype(rollout_dtype)
         self.verify = verify
         self.timeout = float(timeout)
         self.options = parse_options(self.options_class, type(self).__name__, options)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from weightsync_core.dtypes import parse_dtype
+from weightsync_core.dtypes import parse_dtype, parse_rollout_dtype
 from weightsync_core.errors import BackendNotFoundError, PluginError
 
 if TYPE_CHECKING:
@@ -56,15 +56,19 @@ class CheckpointEngineConfig:
             builds an engine, so that a custom backend registers itself.
         trusted_modules: not a field (no config file or constructor argument sets it): the
             module prefixes of ``WEIGHTSYNC_TRUSTED_MODULES`` in the environment of the
-            process that built the config (the driver), or None. It travels with the config
-            to every Ray worker, which refuses a ``custom_backend_module`` outside it as
-            well as outside its own environment's list (a worker does not see a variable
-            the driver set after ``ray.init``).
+            process that built the config (the driver), narrowed by the list in force
+            wherever the config is pickled for another process, or None. It travels with
+            the config to every Ray worker, which refuses a ``custom_backend_module``
+            outside it as well as outside its own environment's list (a worker does not
+            see a variable the driver set after ``ray.init``, before or after the config
+            was built).
         sync_timeout_seconds: a whole sync (all stages) must finish within this time, else it
             raises :class:`~weightsync_core.errors.SyncTimeoutError` naming the stage and ranks.
         verify: receivers check names, shapes, dtypes and a per-bucket checksum against the
             sender's manifest and fail loudly on any mismatch.
-        rollout_dtype: if set, floating-point tensors are cast to this dtype before sending.
+        rollout_dtype: if set, floating-point tensors are cast to this dtype before sending:
+            ``bfloat16``, ``float16`` or ``float32``
+            (:data:`~weightsync_core.dtypes.ROLLOUT_DTYPES`).
         delta: after a full sync, send per tensor only what differs bitwise from the version
             every receiver of the sync holds (a patch; the whole tensor where a patch would
             be larger), and check every rebuilt tensor whole against the sender's digest
@@ -72,7 +76,8 @@ class CheckpointEngineConfig:
             restarted replica, one whose last sync failed) is a full one. The sending actor
             rank and every rollout worker keep a host copy of the last version (rollout
             dtype). Backends whose engine says ``supports_delta``.
-        full_verify_every: with ``delta``, make every Nth sync a full one (0: never).
+        full_verify_every: with ``delta``, make every Nth sync a full one (0: never);
+            refused without ``delta``.
     """
 
     backend: str = "naive"
@@ -114,13 +119,18 @@ class CheckpointEngineConfig:
                 "engine_kwargs must map a backend name to a dict of keyword arguments, e.g. "
                 "{'gloo': {'host': '127.0.0.1'}}"
             )
-        parse_dtype(self.rollout_dtype)
+        parse_rollout_dtype(self.rollout_dtype)
         if not isinstance(self.delta, bool):
             raise ValueError(f"delta must be True or False, got {self.delta!r}")
         every = self.full_verify_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError("full_verify_every must be an integer >= 0 (every Nth delta-enabled "
                              f"sync is a full one; 0: never), got {every!r}")
+        if every and not self.delta:
+            raise ValueError(
+                f"full_verify_every={every} applies to delta sync only, and delta is off (every "
+                "sync is a full one already): set delta=True as well, or drop full_verify_every"
+            )
         self.check_engine_options()
 
     def check_engine_options(self) -> None:
@@ -188,15 +198,26 @@ class CheckpointEngineConfig:
     @property
     def trusted_modules(self) -> tuple[str, ...] | None:
         """The ``WEIGHTSYNC_TRUSTED_MODULES`` prefixes in force where this config was built
-        (the driver), or None; every process that loads this config's
-        ``custom_backend_module`` applies them as well as its own environment's. Read-only,
-        and no field: no config file or constructor argument can set it."""
+        (the driver) and wherever it was pickled since (:meth:`__getstate__`), or None;
+        every process that loads this config's ``custom_backend_module`` applies them as
+        well as its own environment's. Read-only, and no field: no config file or
+        constructor argument can set it."""
         return vars(self).get("_trusted_modules")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle of this config holds (as Ray hands it to a worker): its fields and
+        :attr:`trusted_modules` narrowed by this process's ``WEIGHTSYNC_TRUSTED_MODULES``
+        now, so that a list the operator set after the config was built binds the
+        processes it goes to (which do not see that variable) as well."""
+        from weightsync_core.plugins import allowed_by_both, trusted_module_prefixes
+
+        return {**vars(self), "_trusted_modules": allowed_by_both(
+            self.trusted_modules, trusted_module_prefixes())}
 
     @property
     def rollout_torch_dtype(self) -> torch.dtype | None:
         """``rollout_dtype`` as a ``torch.dtype`` (None: tensors keep their dtype)."""
-        return parse_dtype(self.rollout_dtype)
+        return parse_rollout_dtype(self.rollout_dtype)
 
     @property
     def bucket_size_bytes(self) -> int:

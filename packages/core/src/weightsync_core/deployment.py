@@ -171,7 +171,7 @@ class Deployment:
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         self.placement = placement
         self.config = config
-        load_custom_backend_module(config.custom_backend_module)
+        load_custom_backend_module(config.custom_backend_module, config.trusted_modules)
         self.colocated = CheckpointEngineRegistry.get(config.backend).is_colocated
         self._source = ray.remote(self.source_class)
         self.actors = [self._new_actor(rank) for rank in range(actor_world_size)]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["parse_dtype"]
+__all__ = ["ROLLOUT_DTYPES", "parse_dtype", "parse_rollout_dtype"]
+
+ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes a ``rollout_dtype`` may cast to: the floating dtypes an inference replica
+serves a model in (vLLM's ``bfloat16``, ``float16``, ``float32``). An integer, bool or
+complex dtype would change the values themselves, float8 needs scales a plain cast does not
+make, and float64 only doubles the bytes of float32 weights."""
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -17,5 +23,23 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(
             f"rollout_dtype {value!r} is not a torch dtype; use a name such as "
             "'bfloat16', 'float16' or 'float32'"
+        )
+    return dtype
+
+
+def parse_rollout_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """:func:`parse_dtype` for a ``rollout_dtype``: one of :data:`ROLLOUT_DTYPES`, or None.
+
+    Raises:
+        ValueError: no torch dtype, or one no replica serves weights in, naming the dtypes
+            accepted.
+    """
+    dtype = parse_dtype(value)
+    if dtype is not None and dtype not in ROLLOUT_DTYPES:
+        accepted = ", ".join(repr(str(d).removeprefix("torch.")) for d in ROLLOUT_DTYPES)
+        raise ValueError(
+            f"rollout_dtype {value!r} cannot be a rollout dtype: floating-point weights are "
+            f"cast to it before they travel, and a replica serves only {accepted}; set "
+            "rollout_dtype to one of those (or leave it unset to keep each tensor's dtype)"
         )
     return dtype

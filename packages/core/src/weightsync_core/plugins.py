@@ -2,13 +2,16 @@
 
 Configuration may name a module to import (``custom_backend_module``) or a class to build
 (``checkpoint_manager_class``). Only dotted Python names are accepted: file paths, URLs and
-relative names are refused. An operator can restrict which modules may be loaded by setting
-``WEIGHTSYNC_TRUSTED_MODULES`` to a comma-separated list of module prefixes; a configuration
-file cannot change that. The list in force on the driver when a
-:class:`~weightsync_core.config.CheckpointEngineConfig` is built travels with it
-(``trusted_modules``): every process that loads the config's modules applies it as well as
-its own environment's, so a worker started before the variable was set (it does not see
-variables set in the driver after ``ray.init``) refuses what the driver refuses.
+relative names are refused, and so is a ``custom_backend_module`` inside
+``weightsync_core`` (whose backends are registered already). An operator can restrict which
+modules may be loaded by setting ``WEIGHTSYNC_TRUSTED_MODULES`` to a comma-separated list of
+module prefixes; a configuration file cannot change that. The list in force on the driver
+when a :class:`~weightsync_core.config.CheckpointEngineConfig` is built, narrowed by the one
+in force wherever it is pickled to go to another process (as Ray hands it to a worker),
+travels with it (``trusted_modules``): every process that loads the config's modules applies
+it as well as its own environment's, so a worker started before the variable was set (it
+does not see variables set in the driver after ``ray.init``) refuses what the driver
+refuses, even where the config was built before the variable was set.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from weightsync_core.registry import CheckpointEngineRegistry
 
 __all__ = [
     "TRUSTED_MODULES_ENV",
+    "allowed_by_both",
     "custom_module_names",
     "load_class",
     "load_custom_backend_module",
@@ -35,6 +39,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TRUSTED_MODULES_ENV = "WEIGHTSYNC_TRUSTED_MODULES"
+
+_CORE = "weightsync_core"
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -88,17 +94,33 @@ def validate_module_name(
     return name
 
 
+def _inside(name: str, prefix: str) -> bool:
+    """Whether module ``name`` is ``prefix`` or inside it."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def _check_allowed(name: str, setting: str, trusted: list[str] | None, where: str) -> None:
     """Refuse ``name`` unless it is, or is inside, one of the ``trusted`` prefixes (None:
     every name is allowed); ``where`` says whose allowlist it is."""
-    if trusted is not None and not any(
-        name == prefix or name.startswith(prefix + ".") for prefix in trusted
-    ):
+    if trusted is not None and not any(_inside(name, prefix) for prefix in trusted):
+        listed = ",".join(trusted) or "(no prefix both of its lists allow)"
         raise PluginError(
             f"{setting}={name!r} is not allowed: the operator restricted loadable modules with "
-            f"{TRUSTED_MODULES_ENV}={','.join(trusted)}{where}. Ask the operator to add its "
+            f"{TRUSTED_MODULES_ENV}={listed}{where}. Ask the operator to add its "
             "package prefix to that variable."
         )
+
+
+def allowed_by_both(first: Sequence[str] | None, second: Sequence[str] | None
+                    ) -> tuple[str, ...] | None:
+    """The module prefixes that allow exactly the names both allowlists allow (None: no
+    list, every name allowed): where one prefix is inside the other, the inner one."""
+    if first is None or second is None:
+        either = first if second is None else second
+        return tuple(either) if either is not None else None
+    inner = {a for a in first for b in second if _inside(a, b)}
+    inner |= {b for b in second for a in first if _inside(b, a)}
+    return tuple(sorted(inner))
 
 
 def load_custom_backend_module(
@@ -127,12 +149,32 @@ def custom_module_names(
     importing anything) against this process's allowlist and ``trusted`` (the driver's).
 
     Raises:
-        PluginError: a name is refused (see :func:`validate_module_name`).
+        PluginError: a name is refused (see :func:`validate_module_name`), or names a module
+            of ``weightsync_core``.
     """
     if module is None:
         return []
     modules = [module] if isinstance(module, str) else list(module)
-    return [validate_module_name(name, trusted=trusted) for name in modules]
+    return [_not_core(validate_module_name(name, trusted=trusted)) for name in modules]
+
+
+def _not_core(name: str) -> str:
+    """``name``, unless it is a module of ``weightsync_core`` (which registers its backends
+    when it is imported: a core module names no backend of its own).
+
+    Raises:
+        PluginError: naming the module and the backends core registers.
+    """
+    if _inside(name, _CORE):
+        core_backends = [backend for backend in CheckpointEngineRegistry.names()
+                         if _inside(CheckpointEngineRegistry.get(backend).__module__, _CORE)]
+        raise PluginError(
+            f"custom_backend_module={name!r} is a module of {_CORE}, whose backends "
+            f"({', '.join(core_backends)}) are registered already: a core module registers "
+            "nothing of its own. Drop it and set backend= to the backend's name, or name the "
+            "module of your own that registers one"
+        )
+    return name
 
 
 def trusted_module_prefixes() -> list[str] | None:

@@ -483,8 +483,26 @@ class ActorCheckpointEngineMixin:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
         raise NotImplementedError(f"{type(self).__name__} must implement iter_weights()")
 
+    def _check_engine_built(self, method: str) -> None:
+        """Raise where :meth:`init_checkpoint_engine` has not run on this worker.
+
+        Raises:
+            WeightSyncError: naming this worker's class, ``method`` and the call to make.
+        """
+        missing = [name for name in ("checkpoint_engine", "checkpoint_engine_config",
+                                     "colocated_manifest_guard", "delta_sender")
+                   if not hasattr(self, name)]
+        if missing:
+            raise WeightSyncError(
+                f"{type(self).__name__}.{method}() needs this actor worker's checkpoint "
+                f"engine, but init_checkpoint_engine() has not run on it (it has no "
+                f"{', '.join(missing)}): call self.init_checkpoint_engine(config) where the "
+                "worker is set up, before the first sync"
+            )
+
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
             self.checkpoint_engine = await _engine_after_abort(
                 self.checkpoint_engine, self.checkpoint_engine_config
@@ -528,6 +546,7 @@ class ActorCheckpointEngineMixin:
         (:meth:`~weightsync_core.base.CheckpointEngine.sends_weights`), keep a host copy of
         what it sends as that version; with ``delta_base``, send patches against the version
         of that token (:class:`~weightsync_core.delta.DeltaSender`)."""
+        self._check_engine_built("update_weights")
         engine = self.checkpoint_engine
         taken = TransferStats()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)

@@ -15,6 +15,7 @@ import torch
 from weightsync_core.base import CheckpointEngine, TransferStats
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.config import MAX_BUCKET_MEGABYTES
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import EngineOptions
 from weightsync_core.process_group import (
@@ -32,7 +33,11 @@ from weightsync_core.shards.specs import LayoutSpec, parse_weights_spec, resolve
 from weightsync_core.shards.transfers import TransferPlan
 from weightsync_core.wire import MessageSealer
 
-__all__ = ["ShardedGlooCheckpointEngine", "ShardedGlooOptions"]
+__all__ = ["MAX_CHUNK_MEGABYTES", "ShardedGlooCheckpointEngine", "ShardedGlooOptions"]
+
+MAX_CHUNK_MEGABYTES = MAX_BUCKET_MEGABYTES
+"""The largest ``chunk_megabytes`` (64 GiB): no message or staging buffer is larger than
+the largest bucket."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,9 @@ class ShardedGlooOptions(EngineOptions):
     Attributes:
         host: address this process binds for the group (default: ``WEIGHTSYNC_HOST``, the
             Ray node IP, or ``127.0.0.1``).
-        chunk_megabytes: the largest message (MiB); a larger piece travels in chunks.
+        chunk_megabytes: the largest message (MiB); a larger piece travels in chunks. At
+            least one byte (``2**-20``) and at most :data:`MAX_CHUNK_MEGABYTES` (64 GiB, the
+            largest bucket).
         group_init_timeout: seconds group set-up may take before failing with the ranks
             that never arrived.
         relay: let workers of different replicas that need the same slices relay them to
@@ -57,8 +64,13 @@ class ShardedGlooOptions(EngineOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.chunk_megabytes > 0:
-            raise ValueError(f"option 'chunk_megabytes' must be > 0, got {self.chunk_megabytes}")
+        if not 2**-20 <= self.chunk_megabytes <= MAX_CHUNK_MEGABYTES:
+            raise ValueError(
+                f"option 'chunk_megabytes' must be at least one byte (2**-20 MiB) and at most "
+                f"{MAX_CHUNK_MEGABYTES} (64 GiB, the largest bucket), got "
+                f"{self.chunk_megabytes!r}: a chunk is the largest message (or one-sided "
+                "write) of a piece; the default is 64"
+            )
         if not self.group_init_timeout > 0:
             raise ValueError(f"option 'group_init_timeout' must be > 0 seconds, got "
                              f"{self.group_init_timeout}")

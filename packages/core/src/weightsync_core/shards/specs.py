@@ -57,14 +57,18 @@ def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
         if spec is None:
             layout = Layout.whole(shapes)
         elif set(spec) == {"fsdp"}:
-            layout = fsdp_layout(shapes, int(spec["fsdp"]["world_size"]),
-                                 int(spec["fsdp"]["rank"]))
+            fsdp = spec["fsdp"]
+            layout = fsdp_layout(shapes, _integer(fsdp["world_size"], "fsdp world_size"),
+                                 _integer(fsdp["rank"], "fsdp rank"))
         elif set(spec) == {"tensor_parallel"}:
             fields = dict(spec["tensor_parallel"])
-            size, rank = int(fields.pop("size")), int(fields.pop("rank"))
+            size = _integer(fields.pop("size"), "tensor_parallel size")
+            rank = _integer(fields.pop("rank"), "tensor_parallel rank")
             layout = decoder_tensor_parallel_layout(shapes, DecoderShape(**fields), size, rank)
         elif set(spec) == {"boxes"}:
-            layout = Layout({name: Box(tuple((int(a), int(b)) for a, b in ranges))
+            layout = Layout({name: Box(tuple((_integer(a, f"boxes {name!r} start"),
+                                              _integer(b, f"boxes {name!r} stop"))
+                                             for a, b in ranges))
                              for name, ranges in spec["boxes"].items()})
         else:
             raise ValueError(f"a layout spec has one key of fsdp, tensor_parallel or boxes, "
@@ -73,6 +77,18 @@ def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
         raise ValueError(f"{who}: its layout {spec!r} cannot be used: {exc}") from None
     layout.check(shapes, who)
     return layout
+
+
+def _integer(value: Any, field: str) -> int:
+    """``value`` if it is an integer (a bool is not: ``True`` is no rank).
+
+    Raises:
+        ValueError: naming ``field`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} must be an integer, got {value!r} ({type(value).__name__}); "
+                         "declare it as an int, not a float, str or bool")
+    return value
 
 
 def weights_spec(weights: Mapping[str, tuple[tuple[int, ...], torch.dtype]]

@@ -4,7 +4,7 @@ it: column-parallel layers by rows, row-parallel layers by columns, the rest who
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from weightsync_core.shards.box import Box
@@ -32,6 +32,9 @@ class DecoderShape:
             attention).
         head_dim: elements per head (``hidden_size // num_attention_heads`` if not given).
         intermediate_size: the MLP's width.
+
+    Raises:
+        ValueError: a field that is not a positive integer, named.
     """
 
     num_attention_heads: int
@@ -39,13 +42,30 @@ class DecoderShape:
     head_dim: int
     intermediate_size: int
 
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"DecoderShape {field.name} must be a positive integer, got {value!r}: "
+                    "give the model's geometry as its Hugging Face config states it "
+                    "(DecoderShape.from_hf_config)"
+                )
+
     @classmethod
     def from_hf_config(cls, config: Any) -> DecoderShape:
         """The geometry of a Hugging Face model config (its ``text_config`` where it has
         one): KV heads default to the query heads, ``head_dim`` to ``hidden_size //
-        num_attention_heads``."""
+        num_attention_heads``.
+
+        Raises:
+            ValueError: a geometry field that is not a positive integer, named.
+        """
         text = getattr(config, "text_config", None) or config
         heads = int(text.num_attention_heads)
+        if heads < 1:
+            raise ValueError(f"DecoderShape num_attention_heads must be a positive integer, "
+                             f"got {heads} from the model config")
         return cls(num_attention_heads=heads,
                    num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
