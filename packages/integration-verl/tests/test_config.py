@@ -51,6 +51,13 @@ def test_full_verify_every_of_the_adapter_engines_is_checked_when_built():
         engine_cls(1 << 20, delta=True, full_verify_every=-1)
 
 
+def test_full_verify_every_without_delta_is_refused_by_the_adapter_engines():
+    engine_cls = VerlRegistry.get("weightsync_gloo")
+    with pytest.raises(ValueError, match=r"full_verify_every=3 applies to delta sync only, and "
+                       r"delta is off .*: set delta=True in the engine_kwargs as well"):
+        engine_cls(1 << 20, full_verify_every=3)
+
+
 def _empty_actor_wg() -> SimpleNamespace:
     """The shape of verl's actor worker group, without workers."""
     return SimpleNamespace(workers=[], execute_checkpoint_engine=lambda *args, **kwargs: [])

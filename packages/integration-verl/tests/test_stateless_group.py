@@ -14,6 +14,8 @@ import torch
 
 from weightsync_core import GroupInitTimeoutError, new_session_key
 from weightsync_verl.stateless_group import (
+    MAX_DEPTH,
+    MAX_PARTS,
     Membership,
     StatelessProcessGroup,
     decode_object,
@@ -88,3 +90,39 @@ def test_an_object_larger_than_a_store_request_arrives_whole() -> None:
     assert len(encode_object(meta)) > 64 << 10
     groups[1].send_obj(meta, 0)
     assert groups[0].recv_obj(1) == meta
+
+
+@pytest.mark.parametrize("count", [b"20000000", b"2049", b"0", b"9" * 5000])
+def test_a_forged_part_count_is_refused_before_any_part_is_named(count: bytes) -> None:
+    """A member (it holds the key) writes a count of parts no value the store holds has:
+    the receiver refuses it at once instead of building millions of key names."""
+    groups = _groups(2, new_session_key())
+    groups[0]._store.client.set("p2p/0/1/0", count)
+    with pytest.raises(ValueError, match=rf"group key 'p2p/0/1/0' holds .*, not a count of "
+                       rf"parts from 1 to {MAX_PARTS} \(a value the store can hold\)"):
+        groups[1].recv_obj(0)
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 100_000])
+def test_nesting_deeper_than_the_cap_is_a_decode_error(depth: int) -> None:
+    nested = b"\x91" * depth + b"\xc0"  # [[[...[None]...]]]
+    with pytest.raises(msgspec.DecodeError, match=f"nests deeper than the {MAX_DEPTH} levels"):
+        decode_object(nested)
+    keyed = b"\x81" + b"\x91" * depth + b"\xc0" + b"\xc0"  # {((...(None,)...),): None}
+    with pytest.raises(msgspec.DecodeError, match=f"nests deeper than the {MAX_DEPTH} levels"):
+        decode_object(keyed)
+
+
+def test_nesting_up_to_the_cap_decodes() -> None:
+    value: object = None
+    for _ in range(MAX_DEPTH):
+        value = [value]
+    assert decode_object(encode_object(value)) == value
+
+
+def test_a_size_with_a_negative_dimension_is_a_decode_error() -> None:
+    forged = msgspec.msgpack.encode(msgspec.msgpack.Ext(2, msgspec.msgpack.encode([4, -3])))
+    with pytest.raises(msgspec.DecodeError, match=r"a torch.Size holds non-negative integer "
+                       r"dimensions only: Expected `int` >= 0 - at `\$\[1\]`"):
+        decode_object(forged)
+    assert decode_object(encode_object(torch.Size([0, 3]))) == torch.Size([0, 3])

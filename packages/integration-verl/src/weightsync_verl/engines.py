@@ -87,7 +87,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
             config), e.g. ``timeout``, ``verify``, ``rollout_dtype``, ``rebuild_group``.
 
     Raises:
-        ValueError: ``delta`` for a backend that cannot move it.
+        ValueError: ``delta`` for a backend that cannot move it, ``full_verify_every``
+            without ``delta``.
     """
 
     backend: ClassVar[str] = ""
@@ -95,6 +96,16 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, delta: bool = False,
                  full_verify_every: int = 0, **engine_kwargs: Any) -> None:
+        if isinstance(full_verify_every, bool) or not isinstance(full_verify_every, int) or (
+                full_verify_every < 0):
+            raise ValueError(f"full_verify_every must be an integer >= 0 (0: only where "
+                             f"needed), got {full_verify_every!r}")
+        if full_verify_every and not delta:
+            raise ValueError(
+                f"full_verify_every={full_verify_every} applies to delta sync only, and delta "
+                "is off (every sync is a full one already): set delta=True in the engine_kwargs "
+                "as well, or drop full_verify_every"
+            )
         self.bucket_size = bucket_size
         self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
             self.backend, bucket_size=bucket_size, is_master=is_master, **engine_kwargs
@@ -105,10 +116,6 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 "(its engine does not set supports_delta); drop delta from its engine_kwargs "
                 "or use weightsync_gloo, weightsync_nixl, weightsync_mooncake or weightsync_kimi"
             )
-        if isinstance(full_verify_every, bool) or not isinstance(full_verify_every, int) or (
-                full_verify_every < 0):
-            raise ValueError(f"full_verify_every must be an integer >= 0 (0: only where "
-                             f"needed), got {full_verify_every!r}")
         self.delta = delta
         self.full_verify_every = full_verify_every
         self.delta_sender: DeltaSender | None = None

@@ -24,7 +24,7 @@ import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -38,13 +38,25 @@ from weightsync_core.spi import (
     rendezvous,
 )
 
-__all__ = ["Membership", "StatelessProcessGroup", "decode_object", "encode_object", "membership"]
+__all__ = ["MAX_DEPTH", "MAX_PARTS", "Membership", "StatelessProcessGroup", "decode_object",
+           "encode_object", "membership"]
 
 _DTYPE = 1
 _SIZE = 2
 _PART_BYTES = 32 << 10
 """Values travel in parts of at most this size: the sealed store takes requests of up to
 64 KiB (a bucket's metadata, one entry per tensor, can be far larger)."""
+_STORE_BYTES = 64 << 20
+"""What the sealed rendezvous store holds in all (weightsync-core's
+``sealed_store.MAX_STORED_BYTES``): no value stored there has more parts than fit in it."""
+MAX_PARTS = -(-_STORE_BYTES // _PART_BYTES)
+"""The most parts a value can have (2,048): a count above it is refused before any key is
+read."""
+MAX_DEPTH = 32
+"""The deepest nesting of lists and dicts an object may have (verl's bucket messages nest 4
+deep, their ``torch.Size`` included)."""
+
+_Dimensions = list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,11 @@ def _decode_extension(code: int, data: memoryview) -> Any:
             raise ValueError(f"{bytes(data)[:40]!r} names no torch dtype")
         return dtype
     if code == _SIZE:
-        return torch.Size(msgspec.msgpack.decode(data, type=list[int]))
+        try:
+            return torch.Size(msgspec.msgpack.decode(data, type=_Dimensions))
+        except msgspec.ValidationError as exc:
+            raise msgspec.DecodeError(f"a torch.Size holds non-negative integer dimensions "
+                                      f"only: {exc}") from None
     raise ValueError(f"unknown extension type {code}")
 
 
@@ -117,8 +133,39 @@ def encode_object(value: Any) -> bytes:
 
 
 def decode_object(data: bytes) -> Any:
-    """What :func:`encode_object` made; never runs code, whatever ``data`` holds."""
-    return _DECODER.decode(data)
+    """What :func:`encode_object` made; never runs code, whatever ``data`` holds.
+
+    Raises:
+        msgspec.DecodeError: ``data`` is no such object: not msgpack, lists or dicts
+            nested deeper than :data:`MAX_DEPTH`, a ``torch.Size`` with a negative
+            dimension (``ValueError`` where an extension names no torch dtype or is of no
+            known type).
+    """
+    try:
+        value = _DECODER.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError(f"the object nests deeper than the {MAX_DEPTH} levels of "
+                                  "lists and dicts accepted") from None
+    _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse ``value`` where its lists, tuples (dict keys) and dicts nest deeper than
+    :data:`MAX_DEPTH`.
+
+    Raises:
+        msgspec.DecodeError: naming the limit.
+    """
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        children = ([*item.keys(), *item.values()] if isinstance(item, dict)
+                    else item if isinstance(item, list | tuple) else ())
+        if children and depth == MAX_DEPTH:
+            raise msgspec.DecodeError(f"the object nests deeper than the {MAX_DEPTH} levels "
+                                      "of lists and dicts accepted")
+        pending.extend((child, depth + 1) for child in children)
 
 
 def _wait_until_listening(host: str, port: int, member: Membership) -> None:
@@ -245,9 +292,16 @@ class StatelessProcessGroup:
         return value
 
     def _read(self, key: str) -> tuple[bytes, list[str]]:
-        """The value under ``key`` and the store keys that hold it."""
+        """The value under ``key`` and the store keys that hold it.
+
+        Raises:
+            ValueError: ``key`` holds no count of parts from 1 to :data:`MAX_PARTS`
+                (checked before any part's name is made).
+        """
         count = self._store.client.get(key)
-        if not count.isdigit():
-            raise ValueError(f"group key {key!r} holds {count[:20]!r}, not a count of parts")
+        if not (count.isdigit() and len(count) <= len(str(MAX_PARTS))
+                and 1 <= int(count) <= MAX_PARTS):
+            raise ValueError(f"group key {key!r} holds {count[:20]!r}, not a count of parts "
+                             f"from 1 to {MAX_PARTS} (a value the store can hold)")
         parts = [f"{key}/{index}" for index in range(int(count))]
         return b"".join(self._store.client.get(part) for part in parts), [key, *parts]
