@@ -164,3 +164,25 @@ def test_synchronous_iteration_validates_and_refuses_an_async_only_source():
 
     with pytest.raises(TypeError, match="only async for can iterate"):
         list(iter_named_tensors_sync(only_async()))
+
+
+@pytest.mark.parametrize("late", [("a", torch.ones(2)), ("c", [1.0, 2.0])],
+                         ids=["duplicate name", "not a tensor"])
+def test_a_bad_item_late_in_a_state_dict_or_list_fails_before_the_first_is_packed(late):
+    """A whole list (or state dict) is checked before any bucket is filled: no byte of it
+    moves (a generator can only be checked as it yields)."""
+    from weightsync_core.bucketing import iter_named_tensors, iter_named_tensors_sync
+
+    weights = [("a", torch.ones(2)), ("b", torch.ones(2)), late]
+    error = ValueError if late[0] == "a" else TypeError
+    with pytest.raises(error, match=repr(late[0])):
+        next(iter(iter_named_tensors_sync(weights)))
+
+    async def first():
+        return await anext(iter_named_tensors(weights))
+
+    with pytest.raises(error, match=repr(late[0])):
+        asyncio.run(first())
+    if late[0] == "c":
+        with pytest.raises(TypeError, match="'c'"):
+            next(iter(iter_named_tensors_sync({"a": torch.ones(1), "c": late[1]})))

@@ -9,7 +9,15 @@ accepted; offsets are aligned so received slices can be viewed as their dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    ItemsView,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
@@ -157,7 +165,7 @@ async def iter_named_tensors(
         TypeError: an item is not a ``(str, torch.Tensor)`` pair.
         ValueError: a name occurs twice.
     """
-    source = weights.items() if isinstance(weights, Mapping) else weights
+    source = _checked_whole(weights)
     seen: set[str] = set()
     if isinstance(source, AsyncIterable):
         async for item in source:
@@ -181,7 +189,7 @@ def iter_named_tensors_sync(weights: WeightsSource) -> Iterator[tuple[str, torch
             ``(str, torch.Tensor)`` pair.
         ValueError: a name occurs twice.
     """
-    source = weights.items() if isinstance(weights, Mapping) else weights
+    source = _checked_whole(weights)
     if not isinstance(source, Iterable):
         raise TypeError(
             f"the engine iterates the weights with a plain for loop, but they are a "
@@ -191,6 +199,25 @@ def iter_named_tensors_sync(weights: WeightsSource) -> Iterator[tuple[str, torch
     seen: set[str] = set()
     for item in source:
         yield _checked_item(item, seen)
+
+
+def _checked_whole(weights: WeightsSource) -> object:
+    """What to iterate of ``weights``: a state dict's items, or ``weights`` itself. A state
+    dict, list or tuple is checked whole first (every item a ``(str, tensor)`` pair, no name
+    twice), so that a bad item late in it fails before any byte moves; a generator or other
+    stream can only be checked item by item, as it yields (an FSDP actor gathers each full
+    tensor only when it yields it: buffering the stream to check it would hold the whole
+    model).
+
+    Raises:
+        TypeError, ValueError: as :func:`_checked_item`, for a state dict, list or tuple.
+    """
+    source = weights.items() if isinstance(weights, Mapping) else weights
+    if isinstance(source, (list, tuple, ItemsView)):
+        seen: set[str] = set()
+        for item in source:
+            _checked_item(item, seen)
+    return source
 
 
 def _checked_item(item: object, seen: set[str]) -> tuple[str, torch.Tensor]:
