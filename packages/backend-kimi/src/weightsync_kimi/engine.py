@@ -7,7 +7,9 @@ as ``kimi_ckpt_engine``).
    into host buckets registered with the Transfer Engine, kept until the next update, and
    sends a :class:`~weightsync_kimi.shares.ShareManifest` to every replica's leader.
 2. A leader pulls the buckets of all owners, interleaved, double-buffered: the pull of bucket
-   ``k+1`` overlaps the broadcast of bucket ``k`` to the replica and its own server's read.
+   ``k+1`` overlaps the broadcast of bucket ``k`` to the replica and its own server's read
+   (on host memory the broadcast reads the bytes the server is handed, which the server may
+   change as it loads them: there it ends before the server reads).
 3. :meth:`KimiCheckpointEngine.get_weights` runs step 2 from the shares the owners still
    hold, so a replica added later gets the latest weights while the actor ranks send nothing.
 
@@ -400,9 +402,14 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
                 if self.verify:
                     verifier.check_bucket(data, meta, source=f"actor rank {share.owner}")
                 if relay is not None:
-                    relays.append(asyncio.ensure_future(
-                        relay.relay_bucket(meta, data.to(relay.device))
-                    ))
+                    relayed = data.to(relay.device)
+                    relaying = asyncio.ensure_future(relay.relay_bucket(meta, relayed))
+                    if relayed.data_ptr() == data.data_ptr():
+                        # the server owns what it is given and may change it as it loads:
+                        # the replica gets these very bytes first
+                        await relaying
+                    else:
+                        relays.append(relaying)
                 for item in unpacker.unpack(data, meta):
                     verifier.record(*item)
                     yield item
