@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from weightsync_core.base import SyncProgress
-from weightsync_core.blame import STUCK_WAIT_SECONDS, stalled_processes
+from weightsync_core.blame import STUCK_WAIT_SECONDS, settings_mismatch, stalled_processes
 
 NAMES = ["actor_wg rank 0", "rollout rank 0 (replica 0, worker 0)",
          "rollout rank 1 (replica 1, worker 0)", "rollout rank 2 (replica 2, worker 0)"]
@@ -86,3 +86,62 @@ def test_without_a_mutual_wait_the_process_others_wait_on_at_the_edge_is_blamed(
     culprits = stalled_processes(reports, NAMES)
     assert culprits[0].name == NAMES[1]
     assert NAMES[2] in culprits[0].verdict and "network between their hosts" in culprits[0].verdict
+
+
+MANAGER_SETTINGS = {"backend": "gloo", "rollout_dtype": "bfloat16", "verify": True,
+                    "update_weights_bucket_megabytes": 64,
+                    "engine_kwargs['gloo']['senders']": 2}
+
+
+def test_the_first_process_built_with_other_settings_is_named_with_both_values() -> None:
+    fp32 = {**MANAGER_SETTINGS, "rollout_dtype": "float32"}
+    found = settings_mismatch(MANAGER_SETTINGS, [MANAGER_SETTINGS, MANAGER_SETTINGS, fp32,
+                                                 MANAGER_SETTINGS], NAMES)
+    assert found == (
+        "rollout rank 1 (replica 1, worker 0)",
+        "was built with rollout_dtype='float32' but this manager's config says 'bfloat16': "
+        "build every process's engine from the manager's config",
+    )
+    relay = {**MANAGER_SETTINGS, "engine_kwargs['gloo']['senders']": 1, "verify": False}
+    name, what = settings_mismatch(MANAGER_SETTINGS, [relay, MANAGER_SETTINGS, relay, relay],
+                                   NAMES) or ("", "")
+    assert name == "actor_wg rank 0"
+    assert what == (
+        "was built with verify=False, engine_kwargs['gloo']['senders']=1 but this manager's "
+        "config says verify=True, engine_kwargs['gloo']['senders']=2: build every process's "
+        "engine from the manager's config (2 other process(es) differ as well: rollout rank 1 "
+        "(replica 1, worker 0), rollout rank 2 (replica 2, worker 0))"
+    )
+
+
+def test_settings_agree_where_equal_and_processes_that_cannot_say_are_not_compared() -> None:
+    assert settings_mismatch(MANAGER_SETTINGS, [dict(MANAGER_SETTINGS)] * 4, NAMES) is None
+    # a worker that does not answer (verl's own), or an older one that names fewer settings
+    older = {key: MANAGER_SETTINGS[key] for key in ("backend", "rollout_dtype")}
+    assert settings_mismatch(MANAGER_SETTINGS, [None, older, "?", MANAGER_SETTINGS],
+                             NAMES) is None
+
+
+def test_another_backend_is_named_alone() -> None:
+    nixl = {"backend": "nixl", "rollout_dtype": None, "verify": True,
+            "update_weights_bucket_megabytes": 64, "engine_kwargs['nixl']['slots']": 2}
+    found = settings_mismatch(MANAGER_SETTINGS, [MANAGER_SETTINGS, nixl, MANAGER_SETTINGS,
+                                                 MANAGER_SETTINGS], NAMES)
+    assert found is not None
+    assert found[1].startswith("was built with backend='nixl' but this manager's config says "
+                               "'gloo': ")
+
+
+def test_engine_names_of_peers_translate_through_a_round_s_mapping() -> None:
+    """A round of a mixed delta sync numbers its workers from 0: its engines' ``rollout rank
+    0`` is the manager's ``rollout rank 2 (replica 2, worker 0)``."""
+    peers = {"actor rank 0": "actor_wg rank 0",
+             "rollout rank 0": "rollout rank 2 (replica 2, worker 0)"}
+    progress = {
+        "actor_wg rank 0": _report("sending", waiting=[("rollout rank 0", "writing", 9.0)]),
+        "rollout rank 2 (replica 2, worker 0)": _report(
+            waiting=[("actor rank 0", "reading", 9.0)]),
+    }
+    [culprit] = stalled_processes(progress, NAMES, peers)
+    assert culprit.name == "actor_wg rank 0"
+    assert "it and rollout rank 2 (replica 2, worker 0) have waited" in culprit.verdict

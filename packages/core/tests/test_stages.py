@@ -4,6 +4,7 @@ import asyncio
 import inspect
 
 import pytest
+import ray.exceptions
 
 from weightsync_core import SyncStageError, SyncTimeoutError
 from weightsync_core import stages as stages_module
@@ -103,3 +104,79 @@ def test_stages_never_block_on_ray_get():
     source = inspect.getsource(stages_module)
     assert "ray.get(" not in source
     assert "ray.wait(" not in source
+
+
+async def _die(delay=0.0):
+    await asyncio.sleep(delay)
+    raise ray.exceptions.ActorDiedError()
+
+
+def test_a_replica_call_that_died_blames_the_worker_that_died_not_the_replica():
+    asked = []
+
+    def members(name):
+        asked.append(name)
+        return {"replica 1": [("rollout rank 1 (replica 1, worker 0)", _value({})),
+                              ("rollout rank 2 (replica 1, worker 1)", _die())]}.get(name, [])
+
+    async def main():
+        stages = SyncStages("gloo", timeout_seconds=5,
+                            hosts={"rollout rank 2 (replica 1, worker 1)": "10.0.0.3"})
+        await stages.run("abort_requests", lambda: [
+            ("replica 0", _value(None)), ("replica 1", _die()),
+        ], members=members)
+
+    with pytest.raises(SyncStageError) as info:
+        asyncio.run(main())
+    error = info.value
+    assert asked == ["replica 1"]
+    assert (error.stage, error.worker, error.host) == (
+        "abort_requests", "rollout rank 2 (replica 1, worker 1)", "10.0.0.3")
+    assert str(error).startswith(
+        "weight sync (gloo) failed at stage 'abort_requests' rollout rank 2 (replica 1, "
+        "worker 1) died: ActorDiedError")
+
+
+def test_a_replica_whose_workers_all_answer_keeps_the_blame_and_other_failures_ask_nobody():
+    asked = []
+
+    def members(name):
+        asked.append(name)
+        return [("rollout rank 0 (replica 0, worker 0)", _value({}))]
+
+    async def main():
+        stages = SyncStages("gloo", timeout_seconds=5)
+        await stages.run("abort_requests", lambda: [
+            ("replica 0", _die()), ("replica 1", _fail("server unreachable")),
+        ], members=members)
+
+    with pytest.raises(SyncStageError) as info:
+        asyncio.run(main())
+    assert asked == ["replica 0"]  # only a death is traced to a worker
+    assert info.value.worker == "replica 0"
+    assert "replica 0 died" in str(info.value)
+
+
+def test_engine_names_of_peers_translate_through_the_round_s_peers():
+    """In a round of some replicas, the engines' ``rollout rank 0`` is the manager's rank 2."""
+    async def main():
+        stages = SyncStages("gloo", timeout_seconds=0.1)
+        stages.peers = {"actor rank 0": "actor_wg rank 0",
+                        "rollout rank 0": "rollout rank 2 (replica 1, worker 0)"}
+        waiting = [{"peer": "rollout rank 0", "what": "writing bucket 3", "seconds": 9.0}]
+        await stages.run("transfer", lambda: [
+            ("actor_wg rank 0", _value(0, 30)), ("rollout rank 2 (replica 1, worker 0)",
+                                                 _value(0, 30)),
+        ], probe=lambda: [
+            ("actor_wg rank 0", _value({"state": "sending", "seconds": 9.0, "tensors": 0,
+                                        "waiting": waiting})),
+            ("rollout rank 2 (replica 1, worker 0)", _value(
+                {"state": "receiving", "seconds": 9.0, "tensors": 0, "waiting": [
+                    {"peer": "actor rank 0", "what": "reading bucket 3", "seconds": 9.0}]})),
+        ])
+
+    with pytest.raises(SyncTimeoutError) as info:
+        asyncio.run(main())
+    assert info.value.worker == "actor_wg rank 0"
+    assert "it and rollout rank 2 (replica 1, worker 0) have waited on each other" in str(
+        info.value)

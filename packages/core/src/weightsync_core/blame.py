@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import ray
 import ray.exceptions
@@ -28,8 +28,10 @@ from weightsync_core.sync_layout import SyncLayout
 __all__ = [
     "Culprit",
     "describe_exception",
+    "is_death",
     "metadata_culprit",
     "rank_failures",
+    "settings_mismatch",
     "stalled_processes",
 ]
 
@@ -61,14 +63,15 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _is_death(exc: BaseException) -> bool:
+def is_death(exc: BaseException | None) -> TypeGuard[ray.exceptions.RayActorError]:
+    """Whether ``exc`` says the process behind a call died (or cannot be reached)."""
     return isinstance(exc, ray.exceptions.RayActorError)
 
 
 def _priority(exc: BaseException) -> int:
     """0: a process died; 1: its own fault (bad data, a failing iterator or server); 2: a
     transport error (usually a symptom); 3: an echo of another rank's failure."""
-    if _is_death(exc):
+    if is_death(exc):
         return 0
     cause = _cause(exc)
     if isinstance(cause, SenderAbortedError | asyncio.CancelledError | GroupInitTimeoutError):
@@ -78,9 +81,14 @@ def _priority(exc: BaseException) -> int:
     return 1
 
 
-def _manager_name(peer: str, names: Sequence[str]) -> str | None:
+def _manager_name(peer: str, names: Sequence[str],
+                  peers: Mapping[str, str] | None = None) -> str | None:
     """The manager's name (one of ``names``, as :class:`SyncLayout` names processes) for a
-    process an engine calls ``actor rank N`` / ``rollout rank N``."""
+    process an engine calls ``actor rank N`` / ``rollout rank N``: ``peers[peer]`` where
+    ``peers`` is given (a round of a sync whose rollout ranks the engines number within the
+    round), else the name that starts with it."""
+    if peers is not None:
+        return peers.get(peer.strip())
     parsed = SyncLayout.parse_peer_name(peer)
     if parsed is None:
         return None
@@ -93,19 +101,20 @@ def _manager_name(peer: str, names: Sequence[str]) -> str | None:
 
 def rank_failures(
     failures: Sequence[tuple[str, BaseException]], names: Sequence[str],
-    stalled: Sequence[Culprit] = (),
+    stalled: Sequence[Culprit] = (), peers: Mapping[str, str] | None = None,
 ) -> tuple[Culprit, str, BaseException]:
     """The root cause among ``failures`` (``(process, error)``): returns the culprit, the
-    process that reported it and its error. ``names`` are every process of the stage. A
-    process that stopped making progress (``stalled``) is the culprit when the failures
-    are only transport errors or echoes (they are what its neighbours saw)."""
+    process that reported it and its error. ``names`` are every process of the stage
+    (``peers``: the engines' names of them, see :func:`_manager_name`). A process that
+    stopped making progress (``stalled``) is the culprit when the failures are only
+    transport errors or echoes (they are what its neighbours saw)."""
     reporter, exc = min(failures, key=lambda failure: _priority(failure[1]))
     if stalled and _priority(exc) >= 2:
         return stalled[0], reporter, exc
-    if _is_death(exc):
+    if is_death(exc):
         return Culprit(reporter, "died"), reporter, exc
     source = getattr(_cause(exc), "source", "")
-    sender = _manager_name(source, names) if source else None
+    sender = _manager_name(source, names, peers) if source else None
     if sender is not None and sender != reporter:
         return Culprit(sender, f"sent data that failed verification on {reporter}"), reporter, exc
     return Culprit(reporter, "failed"), reporter, exc
@@ -143,16 +152,59 @@ def metadata_culprit(exc: BaseException, metadata: Sequence[Any]) -> tuple[int, 
     return index, problem
 
 
+def settings_mismatch(
+    expected: Mapping[str, Any], reported: Sequence[Any], names: Sequence[str]
+) -> tuple[str, str] | None:
+    """The first process (of ``names``, each with what it ``reported`` its engine was built
+    with: :meth:`~weightsync_core.config.CheckpointEngineConfig.travel_settings`, or
+    anything else where it could not say, which is not compared) whose settings differ from
+    the manager's (``expected``): ``(its name, what it was built with, as an error says
+    it)``, or None where every process that reported agrees with the manager. A process built
+    with another backend is named for that alone (its other settings mean other things).
+    """
+    odd = [(name, differences) for name, settings in zip(names, reported, strict=True)
+           if isinstance(settings, Mapping)
+           and (differences := _differences(expected, settings))]
+    if not odd:
+        return None
+    name, differences = odd[0]
+    if len(differences) == 1:
+        key, built, wanted = differences[0]
+        what = f"was built with {key}={built!r} but this manager's config says {wanted!r}"
+    else:
+        what = (f"was built with {', '.join(f'{key}={built!r}' for key, built, _ in differences)}"
+                " but this manager's config says "
+                f"{', '.join(f'{key}={wanted!r}' for key, _, wanted in differences)}")
+    others = [other for other, _ in odd[1:]]
+    also = ""
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        also = f" ({len(others)} other process(es) differ as well: {shown})"
+    return name, f"{what}: build every process's engine from the manager's config{also}"
+
+
+def _differences(
+    expected: Mapping[str, Any], settings: Mapping[str, Any]
+) -> list[tuple[str, Any, Any]]:
+    """``(setting, the process's value, the manager's)`` of every setting both name and that
+    differs; only the backend where that differs."""
+    keys = ["backend"] if settings.get("backend") != expected.get("backend") else list(expected)
+    return [(key, settings.get(key), expected.get(key)) for key in keys
+            if key in settings and settings[key] != expected.get(key)]
+
+
 def stalled_processes(
-    progress: dict[str, dict[str, Any] | None], names: Sequence[str] = ()
+    progress: dict[str, dict[str, Any] | None], names: Sequence[str] = (),
+    peers: Mapping[str, str] | None = None,
 ) -> list[Culprit]:
     """Processes that stopped making progress, worst first, from what each reported when
     asked (``None``: it did not answer in time): the silent ones, then those stuck in
     their server or weights iterator, then pairs that have waited on each other for
     :data:`STUCK_WAIT_SECONDS` or more (each waits for a message or a write the other
     never gets: the network between their hosts), or without such a pair the process others
-    wait on at the stall's edge. ``names`` translate the engines' names
-    of peers (``rollout rank 2``) to the manager's."""
+    wait on at the stall's edge. ``names`` (and ``peers``, where given: see
+    :func:`_manager_name`) translate the engines' names of peers (``rollout rank 2``) to the
+    manager's."""
     silent = [Culprit(name, "stopped responding (frozen, or its event loop is blocked)")
               for name, report in progress.items() if report is None]
     busy = sorted(
@@ -164,7 +216,7 @@ def stalled_processes(
         Culprit(name, _STUCK_STATES[report["state"]].format(
             seconds=seconds, tensor=report.get("tensors", 0) + 1))
         for seconds, name, report in busy
-    ] + _mutual_waits(progress, names)
+    ] + _mutual_waits(progress, names, peers)
 
 
 STUCK_WAIT_SECONDS = 2.0
@@ -173,12 +225,13 @@ bucket takes half a second at 1 Gbit/s)."""
 
 
 def _mutual_waits(
-    progress: dict[str, dict[str, Any] | None], names: Sequence[str]
+    progress: dict[str, dict[str, Any] | None], names: Sequence[str],
+    peers: Mapping[str, str] | None = None,
 ) -> list[Culprit]:
     waits: dict[str, dict[str, tuple[str, float]]] = {}
     for name, report in progress.items():
         for wait in (report or {}).get("waiting", []):
-            peer = _manager_name(wait["peer"], names) or wait["peer"]
+            peer = _manager_name(wait["peer"], names, peers) or wait["peer"]
             if wait["seconds"] >= STUCK_WAIT_SECONDS and peer not in waits.get(name, {}):
                 waits.setdefault(name, {})[peer] = (wait["what"], wait["seconds"])
     def tensors(name: str) -> int:
@@ -188,8 +241,8 @@ def _mutual_waits(
     # The pair across the cut is the one where a side got nothing through at all; among
     # equals, the oldest wait.
     ranked = []
-    for name, peers in waits.items():
-        for peer, (what, seconds) in peers.items():
+    for name, waited in waits.items():
+        for peer, (what, seconds) in waited.items():
             if name in waits.get(peer, {}) and name < peer:
                 ranked.append((min(tensors(name), tensors(peer)), -seconds, Culprit(
                     name, f"stopped making progress: it and {peer} have waited on each "

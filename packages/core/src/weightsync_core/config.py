@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,9 @@ if TYPE_CHECKING:
     from weightsync_core.base import CheckpointEngine
 
 __all__ = [
+    "BUILT_SETTINGS",
     "MAX_BUCKET_MEGABYTES",
+    "TRAVEL_OPTIONS",
     "CheckpointEngineConfig",
     "parse_dtype",
     "physical_memory_bytes",
@@ -24,6 +27,25 @@ __all__ = [
 
 MAX_BUCKET_MEGABYTES = 64 << 10
 """The largest bucket accepted (64 GiB): a sender allocates two, a receiver up to three."""
+
+TRAVEL_OPTIONS: tuple[str, ...] = (
+    "senders", "multi_sender", "direct_send_megabytes", "slots", "chunk_megabytes", "relay",
+    "collective", "collective_kwargs",
+)
+"""Engine options (fields of any backend's ``options_class``) that change what travels or how
+its bytes are cut, so that every process of a sync and the manager must agree on them
+(:meth:`CheckpointEngineConfig.travel_settings`): which actor ranks send and relay
+(``senders``, ``multi_sender``, ``relay``), how tensors are framed (``direct_send_megabytes``,
+``chunk_megabytes``, a ring's ``slots``) and kimi's broadcast inside a replica
+(``collective``, ``collective_kwargs``). Options of one process's own machine or lifetime
+(``host``, ``device``, NICs and plugins, ``keep_buffers``, ``rebuild_group``, timeouts,
+``is_master``) may differ between processes and are not compared."""
+
+BUILT_SETTINGS = "built_settings"
+"""The call a sync makes on every process (through its worker's
+``execute_checkpoint_engine``) to learn the :meth:`CheckpointEngineConfig.travel_settings` its
+engine was built with; a worker that does not answer it (verl's own workers) is not
+compared."""
 
 def physical_memory_bytes() -> int | None:
     """This machine's physical memory in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), or None
@@ -214,6 +236,53 @@ class CheckpointEngineConfig:
         return {**vars(self), "_trusted_modules": allowed_by_both(
             self.trusted_modules, trusted_module_prefixes())}
 
+    def travel_settings(
+        self, engine_cls: type[CheckpointEngine], options: Any = None
+    ) -> dict[str, Any]:
+        """The settings of this config that change what travels, as ``engine_cls`` (the
+        configured backend's engine) uses them: the manager's and every process's must be
+        equal, or a sync is refused before any byte moves (values are plain: they cross
+        Ray and vLLM's msgpack). Keys, in the order a refusal names them:
+
+        - ``backend``;
+        - ``rollout_dtype`` (the dtype's name, or None);
+        - ``verify``;
+        - ``update_weights_bucket_megabytes``, where the engine packs buckets (not one that
+          :attr:`~weightsync_core.base.CheckpointEngine.executes_layouts`, whose pieces
+          travel in ``chunk_megabytes``);
+        - ``engine_kwargs[<backend>][<option>]`` for each of :data:`TRAVEL_OPTIONS` the
+          engine's options have, defaults filled in.
+
+        Not compared: ``delta`` and ``full_verify_every`` (the manager alone decides each
+        sync's delta plan and hands it to every process; a process never reads its own),
+        ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync),
+        ``custom_backend_module`` (how the backend is found; the backend is compared) and
+        every other engine option (see :data:`TRAVEL_OPTIONS`).
+
+        Args:
+            engine_cls: the engine class this config builds.
+            options: the engine's parsed options where it has them (a built engine's
+                ``options``); else parsed here from :attr:`active_engine_kwargs`.
+        """
+        from weightsync_core.options import parse_options
+
+        dtype = self.rollout_torch_dtype
+        settings: dict[str, Any] = {
+            "backend": self.backend,
+            "rollout_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "verify": bool(self.verify),
+        }
+        if not getattr(engine_cls, "executes_layouts", False):
+            settings["update_weights_bucket_megabytes"] = self.update_weights_bucket_megabytes
+        if options is None and engine_cls.declares_options():
+            options = parse_options(engine_cls.options_class, self.backend,
+                                    self.active_engine_kwargs)
+        for name in TRAVEL_OPTIONS:
+            if options is not None and hasattr(options, name):
+                settings[f"engine_kwargs[{self.backend!r}][{name!r}]"] = _plain(
+                    getattr(options, name))
+        return settings
+
     @property
     def rollout_torch_dtype(self) -> torch.dtype | None:
         """``rollout_dtype`` as a ``torch.dtype`` (None: tensors keep their dtype)."""
@@ -228,3 +297,16 @@ class CheckpointEngineConfig:
     def active_engine_kwargs(self) -> dict[str, Any]:
         """The ``engine_kwargs`` entry of the configured backend (empty if none)."""
         return dict(self.engine_kwargs.get(self.backend, {}))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` made of None, bools, numbers, strings, lists and string-keyed dicts (what
+    crosses Ray and vLLM's msgpack, and compares by value); anything else as its repr."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in sorted(
+            value.items(), key=lambda entry: str(entry[0]))}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return repr(value)

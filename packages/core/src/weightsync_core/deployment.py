@@ -212,7 +212,13 @@ class Deployment:
     def manager(
         self, replicas: Sequence[RayRolloutReplica] | None = None, **config_overrides: Any
     ) -> CheckpointEngineManager:
-        """A manager over ``replicas`` (default: all), with optional config overrides."""
+        """A manager over ``replicas`` (default: all), with optional config overrides.
+
+        The processes were built from :attr:`config`: overrides of what only the manager
+        reads (``sync_timeout_seconds``, ``delta``, ``full_verify_every``) take effect, while
+        one of a setting that changes what travels (``rollout_dtype``, ``verify``, the bucket
+        size, the backend or its :data:`~weightsync_core.config.TRAVEL_OPTIONS`) makes its
+        first sync fail at stage ``prepare``, before any byte moves, naming the setting."""
         config = replace(self.config, **config_overrides)
         chosen = self.replicas if replicas is None else replicas
         return CheckpointEngineManager(config, self.actor_wg, chosen)

@@ -16,9 +16,9 @@ from typing import Any, ClassVar, TypeVar
 import ray
 
 from weightsync_core.base import CheckpointEngineWithCache
-from weightsync_core.blame import describe_exception, metadata_culprit
+from weightsync_core.blame import describe_exception, metadata_culprit, settings_mismatch
 from weightsync_core.blocking import retrieve_exception
-from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.config import BUILT_SETTINGS, CheckpointEngineConfig
 from weightsync_core.delta import DeltaPlan
 from weightsync_core.delta_ledger import DeltaLedger
 from weightsync_core.errors import MetadataError, SyncStageError
@@ -94,17 +94,32 @@ def awaitable_or_blocking(
 
 @dataclass(frozen=True)
 class _SyncProcesses:
-    """The engine processes of one sync: the actor ranks, then the replicas' rollout
-    workers, laid out (and named, as a failure reports them) by ``layout``."""
+    """The engine processes of one sync (or one round of it): the actor ranks, then the
+    replicas' rollout workers, laid out by ``layout`` (as the engines number them) and named
+    as the manager numbers them (``rollout_names``: a round to some of the managed replicas
+    numbers its ranks within the round, a failure names them as a sync to all would)."""
 
     actor: CheckpointEngineWorkerGroup
     rollout: CheckpointEngineWorkerGroup
     layout: SyncLayout
+    rollout_names: tuple[str, ...]
+    """Each rollout worker's name in the manager's numbering, in ``layout``'s rank order."""
 
     @property
     def names(self) -> list[str]:
-        """Every process's name: actor ranks, then rollout ranks."""
-        return self.layout.names
+        """Every process's name: actor ranks, then rollout ranks (the manager's numbering)."""
+        return [*self.layout.actor_names, *self.rollout_names]
+
+    @property
+    def peers(self) -> dict[str, str]:
+        """How the engines name each process to their peers (``"rollout rank 0"``, within
+        this round) -> its name in :attr:`names`."""
+        return {
+            **{SyncLayout.actor_peer_name(rank): name
+               for rank, name in enumerate(self.layout.actor_names)},
+            **{SyncLayout.rollout_peer_name(rank): name
+               for rank, name in enumerate(self.rollout_names)},
+        }
 
     def engine_calls(
         self, method: str, actor_kwargs: dict[str, list[Any]] | None = None,
@@ -133,7 +148,7 @@ class _SyncProcesses:
         if load is None:
             raise TypeError(f"{type(self.rollout).__qualname__} has no "
                             "update_weights_from_cache: its workers cannot load from a cache")
-        return lambda: list(zip(self.layout.rollout_names, load(global_steps), strict=True))
+        return lambda: list(zip(self.rollout_names, load(global_steps), strict=True))
 
 
 @dataclass
@@ -199,6 +214,10 @@ class CheckpointEngineManager:
             )
         self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
         """Which version each replica holds, where ``config.delta`` is set."""
+        self.travel_settings = config.travel_settings(self.backend_cls)
+        """The settings of ``config`` that change what travels
+        (:meth:`CheckpointEngineConfig.travel_settings`): before any byte of a sync moves,
+        every process must report its engine was built with the same."""
         self.actor_wg = actor_wg
         self.replicas: list[RolloutReplica] = []
         self.stale_replicas: list[RolloutReplica] = []
@@ -311,7 +330,7 @@ class CheckpointEngineManager:
         await self._stages().run(stage, lambda: [
             (SyncLayout.replica_name(index), getattr(replica, method)(**options))
             for index, replica in enumerate(self.replicas)
-        ])
+        ], members=self._replica_workers)
 
     def update_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
@@ -401,8 +420,10 @@ class CheckpointEngineManager:
         rounds = self._rounds(replicas, from_cache, allow_manifest_change)
         done: list[_Round] = []
         try:
-            await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"))
-            await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"))
+            await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"),
+                             members=self._replica_workers)
+            await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"),
+                             members=self._replica_workers)
             for round_ in rounds:
                 await self._move(stages, round_, global_steps, from_cache,
                                  allow_manifest_change, mixed=len(rounds) > 1)
@@ -426,9 +447,9 @@ class CheckpointEngineManager:
                 self.delta_ledger.succeeded(
                     (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
         await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
-                         min_seconds=_CLEANUP_SECONDS)
+                         min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
-                         min_seconds=_CLEANUP_SECONDS)
+                         min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
         metrics = self._sync_metrics(stages, rounds, len(replicas),
                                      sharded=self.backend_cls.executes_layouts)
         if self.delta_ledger is not None and not from_cache:
@@ -449,7 +470,7 @@ class CheckpointEngineManager:
                     from_cache: bool, allow_manifest_change: bool, mixed: bool) -> None:
         """One round's transfer; fills in what ``round_`` sent and loaded. A failure in one
         of the two rounds of a mixed delta sync says which replicas it moved to (its error
-        numbers replicas within the round)."""
+        names processes and replicas as the manager numbers them, as every sync's does)."""
         options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
         if round_.plan is not None:
             options.update(delta_base=round_.plan.base, delta_version=round_.plan.version)
@@ -466,7 +487,9 @@ class CheckpointEngineManager:
                 error.args = (f"{error.args[0]} [in the round of "
                               f"{'patches' if round_.moves_patches else 'whole tensors'} to "
                               f"replica(s) {self._indices(round_.replicas)} of this manager; "
-                              "replica and rank numbers above count within the round]",)
+                              "processes are named as this manager numbers them; rollout "
+                              "ranks inside the engines' own messages count within the "
+                              "round]",)
             raise
 
     def _indices(self, replicas: list[RolloutReplica]) -> list[int]:
@@ -494,15 +517,16 @@ class CheckpointEngineManager:
         counts, or what one worker loaded from the cache) and what each worker loaded."""
         processes = self._processes(replicas)
         layout = processes.layout
+        stages.peers = processes.peers
         progress = processes.engine_calls("sync_progress")
         key = new_session_key()  # this sync's secret, handed to every process through Ray
         await stages.run("authenticate", processes.engine_calls(
             "set_session_key", {"key": [key] * layout.actor_ranks},
             {"key": [key] * layout.rollout_world_size},
         ), progress)
-        await self._locate(stages, processes)
+        await self._locate(stages, processes, replicas)
         metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
-        actor_kwargs, rollout_kwargs = self._topology(stages, layout, metadata)
+        actor_kwargs, rollout_kwargs = self._topology(stages, processes, metadata)
         await stages.run("init_process_group", processes.engine_calls(
             "init_process_group", actor_kwargs, rollout_kwargs,
         ), progress)
@@ -542,21 +566,91 @@ class CheckpointEngineManager:
                 f"backend {self.backend!r} moves weights to rollout workers, but the manager "
                 "has no replicas; add_replicas() first", stage="prepare",
             )
+        layout = self._layout(replicas)
         return _SyncProcesses(
-            actor=self.actor_wg, rollout=self.rollout_group(workers),
-            layout=self._layout(replicas),
+            actor=self.actor_wg, rollout=self.rollout_group(workers), layout=layout,
+            rollout_names=tuple(name for replica in replicas
+                                for name in self._worker_names(replica)),
         )
 
-    async def _locate(self, stages: SyncStages, processes: _SyncProcesses) -> None:
+    def _replica_index(self, replica: RolloutReplica) -> int | None:
+        """``replica``'s position among the managed replicas (None: not managed)."""
+        return next((index for index, known in enumerate(self.replicas) if known is replica),
+                    None)
+
+    def _replica_name(self, replica: RolloutReplica, fallback: int) -> str:
+        """How errors name ``replica``: by its position among the managed replicas (a
+        sync's replicas at position ``fallback`` where it is not managed)."""
+        index = self._replica_index(replica)
+        return SyncLayout.replica_name(fallback if index is None else index)
+
+    def _worker_names(self, replica: RolloutReplica) -> list[str]:
+        """How errors name the workers of ``replica``, as :meth:`SyncLayout.rollout_name`
+        does in a sync to every managed replica (``"rollout rank 3 (replica 1, worker
+        0)"``), whichever replicas the sync or its round moves to."""
+        index = self._replica_index(replica)
+        if index is None:  # not managed (any longer): numbered after the managed ones
+            index, first = len(self.replicas), sum(len(r.workers) for r in self.replicas)
+        else:
+            first = sum(len(known.workers) for known in self.replicas[:index])
+        return [f"{SyncLayout.rollout_peer_name(first + worker)} (replica {index}, "
+                f"worker {worker})" for worker in range(len(replica.workers))]
+
+    def _replica_workers(self, name: str) -> Calls:
+        """For the managed replica errors call ``name`` (``"replica 1"``), a call to each
+        of its workers asking what it is doing (``sync_progress``, through the rollout
+        worker group), named as errors name the worker: when a replica's call fails because
+        a process died, the stage blames the worker that died (see
+        :meth:`SyncStages.run`'s ``members``)."""
+        replica = next((known for index, known in enumerate(self.replicas)
+                        if SyncLayout.replica_name(index) == name), None)
+        if replica is None or not replica.workers:
+            return []
+        refs = self.rollout_group(list(replica.workers)).execute_checkpoint_engine(
+            "sync_progress")
+        return list(zip(self._worker_names(replica), refs, strict=True))
+
+    async def _locate(self, stages: SyncStages, processes: _SyncProcesses,
+                      replicas: list[RolloutReplica]) -> None:
         """Learn where each process runs, so that a failure names the host (a cable, a
-        switch); a replica's stages (abort, resume) name the host of its first worker."""
-        hosts = await stages.run("locate", processes.engine_calls("address"))
-        located = processes.layout.with_hosts(hosts)
-        self._addresses.clear()
-        self._addresses.update(located.hosts_by_name())
+        switch); a replica's stages (abort, resume) name the host of its first worker. In
+        the same stage, ask every process what its engine was built with
+        (:data:`~weightsync_core.config.BUILT_SETTINGS`) and refuse the sync, at stage
+        ``prepare`` and before any byte moves, where that differs from this manager's
+        config (:meth:`_check_settings`)."""
+        addresses = processes.engine_calls("address")
+        settings = processes.engine_calls(BUILT_SETTINGS)
+        world_size = processes.layout.world_size
+        results = await stages.run("locate", lambda: [
+            *addresses(), *((name, _settings_or_none(call)) for name, call in settings()),
+        ])
+        hosts, reported = results[:world_size], results[world_size:]
+        processes.layout.with_hosts(hosts)  # every answer a host name
+        self._addresses.update(zip(processes.names, hosts, strict=True))
+        first = processes.layout.actor_ranks
+        for position, replica in enumerate(replicas):
+            self._addresses[self._replica_name(replica, position)] = hosts[first]
+            first += len(replica.workers)
+        self._check_settings(stages, processes, reported)
+
+    def _check_settings(self, stages: SyncStages, processes: _SyncProcesses,
+                        reported: list[Any]) -> None:
+        """Refuse a sync where a process's engine was built with settings that change what
+        travels other than this manager's config says (:attr:`travel_settings`): a
+        process built with ``rollout_dtype='float32'`` under a manager that says
+        ``'bfloat16'`` would serve float32 weights. Processes whose worker could not say
+        (``reported`` None) are not compared.
+
+        Raises:
+            SyncStageError: at stage ``prepare``, naming the process, the setting and both
+                values.
+        """
+        found = settings_mismatch(self.travel_settings, reported, processes.names)
+        if found is not None:
+            raise stages.blame("prepare", *found)
 
     def _topology(
-        self, stages: SyncStages, layout: SyncLayout, metadata: list[Any]
+        self, stages: SyncStages, processes: _SyncProcesses, metadata: list[Any]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The backend's per-rank ``init_process_group`` arguments (actor side, rollout
         side) from what ``prepare`` returned; a failure is stage ``build_topology``'s.
@@ -564,12 +658,13 @@ class CheckpointEngineManager:
         Engines get the sizes (``build_topology(layout.actor_ranks,
         layout.rollout_world_size, metadata)``, verl's signature), or the workers of each
         replica where they ask for them (``build_replica_topology``)."""
+        layout = processes.layout
         try:
             actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
                 layout.actor_ranks, list(layout.replica_workers), metadata,
             )
         except Exception as exc:
-            raise self._topology_error(stages, layout, metadata, exc) from exc
+            raise self._topology_error(stages, processes.names, metadata, exc) from exc
         # engines written for verl may name the method too (verl's manager overwrites it)
         actor_kwargs.pop("method", None)
         rollout_kwargs.pop("method", None)
@@ -577,19 +672,19 @@ class CheckpointEngineManager:
 
     @staticmethod
     def _topology_error(
-        stages: SyncStages, layout: SyncLayout, metadata: list[Any], exc: Exception
+        stages: SyncStages, names: list[str], metadata: list[Any], exc: Exception
     ) -> SyncStageError:
         """The error of a failed ``build_topology``: where one process's ``prepare()``
         returned metadata the others did not (not a dict, a key missing, a value of the
         wrong kind), that process is blamed at stage ``prepare``, before any byte moved;
         else the builder's own error, at stage ``build_topology``."""
         found = metadata_culprit(exc, metadata)
-        if found is None or not 0 <= found[0] < layout.world_size:
+        if found is None or not 0 <= found[0] < len(names):
             return stages.error(exc, "build_topology")
         index, problem = found
         detail = "" if isinstance(exc, MetadataError) else (
             f" (build_topology failed on it: {describe_exception(exc)})")
-        return stages.blame("prepare", layout.names[index],
+        return stages.blame("prepare", names[index],
                             f"returned metadata {problem} from prepare(){detail}")
 
     def _check_tensors_moved(self, sent: list[dict[str, Any]]) -> None:
@@ -634,11 +729,12 @@ class CheckpointEngineManager:
         })
         return metrics
 
-    @staticmethod
-    def _replica_calls(replicas: list[RolloutReplica], method: str) -> Callable[[], Calls]:
-        """Calls of ``replica.<method>()`` on each of ``replicas``."""
-        return lambda: [(SyncLayout.replica_name(index), getattr(replica, method)())
-                        for index, replica in enumerate(replicas)]
+    def _replica_calls(self, replicas: list[RolloutReplica], method: str
+                       ) -> Callable[[], Calls]:
+        """Calls of ``replica.<method>()`` on each of ``replicas``, named by their
+        positions among the managed replicas."""
+        return lambda: [(self._replica_name(replica, position), getattr(replica, method)())
+                        for position, replica in enumerate(replicas)]
 
     async def run_stage(
         self, stage: str, calls: Calls, deadline: float,
@@ -764,6 +860,19 @@ def _abort_calls(
     except Exception as exc:
         logger.warning("could not abort the engines of %s after the failed sync: %r", side, exc)
         return []
+
+
+async def _settings_or_none(call: Awaitable[Any]) -> Any:
+    """What a process answers :data:`~weightsync_core.config.BUILT_SETTINGS` with, or None
+    where its worker does not know the call (verl's own workers hand it to their engine,
+    which has no such method): such a process is not compared. Any other failure (a process
+    that died) is the stage's."""
+    try:
+        return await call
+    except AttributeError as exc:  # a Ray task error is an instance of its cause's class
+        if BUILT_SETTINGS in str(exc):
+            return None
+        raise
 
 
 async def _resume(replica: RolloutReplica) -> None:

@@ -19,6 +19,7 @@ import ray.exceptions
 from weightsync_core.blame import (
     Culprit,
     describe_exception,
+    is_death,
     rank_failures,
     stalled_processes,
 )
@@ -62,6 +63,11 @@ class SyncStages:
         """The stage running, or the last one run."""
         self.metrics: dict[str, float] = {}
         """``weightsync/seconds/<stage>`` of every stage that finished."""
+        self.peers: Mapping[str, str] | None = None
+        """How the engines of the stages to come name each process to their peers
+        (``"rollout rank 0"``) -> its name in the calls (``"rollout rank 2 (replica 1,
+        worker 0)"``), where the two count differently (a round of a sync to some of the
+        manager's replicas); None: a name in the calls starts with the engines' name."""
         self._stage_start = self.started
 
     def elapsed(self) -> float:
@@ -71,6 +77,7 @@ class SyncStages:
     async def run(
         self, name: str, calls: Callable[[], Calls],
         probe: Callable[[], Calls] | None = None, *, min_seconds: float = 0.0,
+        members: Callable[[str], Calls] | None = None,
     ) -> list[Any]:
         """Run stage ``name``: start ``calls()`` and return their results in order.
 
@@ -78,6 +85,10 @@ class SyncStages:
         some fail or time out, so that the one that stopped making progress is blamed.
         ``min_seconds``: the stage may run this long even past the deadline (clean-up
         stages, so that a sync whose transfer finished is not failed by its clean-up).
+        ``members(call name)``: for a call that failed because a process behind it died
+        (a replica's, which goes to its workers), calls that ask each of those processes
+        what it is doing, named as errors name them: the one that died is blamed, not the
+        replica.
 
         Raises:
             SyncStageError: a call failed; names the process to blame.
@@ -85,7 +96,7 @@ class SyncStages:
         """
         self.current = name
         deadline = max(self.deadline, self._loop.time() + min_seconds)
-        results = await self._run_calls(name, calls(), deadline, probe)
+        results = await self._run_calls(name, calls(), deadline, probe, members)
         now = self._loop.time()
         key = f"weightsync/seconds/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + now - self._stage_start
@@ -112,7 +123,8 @@ class SyncStages:
         )
 
     async def _run_calls(
-        self, stage: str, calls: Calls, deadline: float, probe: Callable[[], Calls] | None
+        self, stage: str, calls: Calls, deadline: float, probe: Callable[[], Calls] | None,
+        members: Callable[[str], Calls] | None = None,
     ) -> list[Any]:
         tasks = [asyncio.ensure_future(call) for _, call in calls]
         if not tasks:
@@ -134,7 +146,9 @@ class SyncStages:
                          if not task.done()]
         stalled: list[Culprit] = []
         if pending_names and probe is not None:
-            stalled = await _probe(pending_names, probe, failures, names)
+            stalled = await _probe(pending_names, probe, failures, names, self.peers)
+        if failures and members is not None:
+            failures = await _name_the_dead(failures, members)
         _cancel([call for (_, call), task in zip(calls, tasks, strict=True)
                  if not task.done()], tasks)
         if failures:
@@ -151,7 +165,7 @@ class SyncStages:
         stalled: list[Culprit],
     ) -> SyncStageError:
         """The error of a failed stage, its root cause in the headline."""
-        culprit, reporter, exc = rank_failures(failures, names, stalled)
+        culprit, reporter, exc = rank_failures(failures, names, stalled, self.peers)
         host = self.hosts.get(culprit.name)
         others = "; ".join(f"{other}: {describe_exception(e)}"
                            for other, e in failures if other != reporter)[:1200]
@@ -187,6 +201,7 @@ class SyncStages:
 async def _probe(
     pending: list[str], probe: Callable[[], Calls],
     failures: list[tuple[str, BaseException]], names: list[str],
+    peers: Mapping[str, str] | None = None,
 ) -> list[Culprit]:
     """Ask the ``pending`` processes what they are doing; a process that died is added to
     ``failures``, one that does not answer within :data:`_PROBE_SECONDS` counts as frozen."""
@@ -205,7 +220,34 @@ async def _probe(
                 reports[name] = None
         else:
             reports[name] = task.result()
-    return stalled_processes(reports, names)
+    return stalled_processes(reports, names, peers)
+
+
+async def _name_the_dead(
+    failures: list[tuple[str, BaseException]], members: Callable[[str], Calls]
+) -> list[tuple[str, BaseException]]:
+    """``failures`` with each call that failed because a process behind it died (a replica's
+    call, which reached its workers) replaced by the processes behind it that are dead, as
+    ``members(call name)`` names them: asked what they are doing, they fail within
+    :data:`_PROBE_SECONDS` (Ray knows the process is gone). Where none is found dead (or the
+    members cannot be asked), the call's own failure stays."""
+    named: list[tuple[str, BaseException]] = []
+    for name, exc in failures:
+        dead: list[tuple[str, BaseException]] = []
+        if is_death(exc):
+            try:
+                asked = [(member, asyncio.ensure_future(call)) for member, call in members(name)]
+            except Exception:
+                asked = []
+            if asked:
+                await asyncio.wait([task for _, task in asked], timeout=_PROBE_SECONDS)
+            for member, task in asked:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled() and is_death(error := task.exception()):
+                    dead.append((member, error))
+        named += dead or [(name, exc)]
+    return named
 
 
 def _cancel(calls: list[Awaitable[Any]], tasks: Sequence[asyncio.Future]) -> None:

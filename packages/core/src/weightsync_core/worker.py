@@ -20,7 +20,7 @@ from weightsync_core.base import (
 )
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
-from weightsync_core.config import CheckpointEngineConfig
+from weightsync_core.config import BUILT_SETTINGS, CheckpointEngineConfig
 from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender, SpreadDeltaSender
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
@@ -34,6 +34,7 @@ __all__ = [
     "ActorCheckpointEngineMixin",
     "CheckpointEngineWorker",
     "build_engine",
+    "built_settings",
     "check_on_this_machine",
     "close_engine",
 ]
@@ -76,6 +77,17 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
     if _written_for_verl(engine) and "timeout" not in vars(engine):
         engine.timeout = config.sync_timeout_seconds
     return engine
+
+
+def built_settings(config: CheckpointEngineConfig, engine: CheckpointEngine) -> dict[str, Any]:
+    """What travels as ``engine`` was built from ``config`` in this process
+    (:meth:`~weightsync_core.config.CheckpointEngineConfig.travel_settings`, from the engine's
+    own options where it has them): what a worker answers a sync's
+    :data:`~weightsync_core.config.BUILT_SETTINGS` call with, which the manager compares
+    with its own config before any byte moves."""
+    engine_cls = type(engine)
+    options = getattr(engine, "options", None) if engine_cls.declares_options() else None
+    return config.travel_settings(engine_cls, options)
 
 
 def check_on_this_machine(
@@ -314,11 +326,15 @@ class CheckpointEngineWorker:
         return adapter
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
-        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
+        :data:`~weightsync_core.config.BUILT_SETTINGS` answers what this process's engine
+        was built with (:func:`built_settings`)."""
         if method == "abort" and not kwargs:
             self.checkpoint_engine = await _engine_after_abort(self.checkpoint_engine,
                                                                self.config)
             return None
+        if method == BUILT_SETTINGS and not kwargs:
+            return built_settings(self.config, self.checkpoint_engine)
         if method == "prepare":
             self._declare_layout()
         return await _execute(self.checkpoint_engine, method, kwargs)
@@ -501,13 +517,17 @@ class ActorCheckpointEngineMixin:
             )
 
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
-        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...)."""
+        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
+        :data:`~weightsync_core.config.BUILT_SETTINGS` answers what this process's engine
+        was built with (:func:`built_settings`)."""
         self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
             self.checkpoint_engine = await _engine_after_abort(
                 self.checkpoint_engine, self.checkpoint_engine_config
             )
             return None
+        if method == BUILT_SETTINGS and not kwargs:
+            return built_settings(self.checkpoint_engine_config, self.checkpoint_engine)
         engine = self.checkpoint_engine
         if method == "prepare" and getattr(engine, "executes_layouts", False):
             engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
