@@ -1,12 +1,14 @@
 """vLLM as its servers run it: ``AsyncLLM`` with its engine core and its worker in processes
 of their own (every call between them msgpack), receiving over every CPU backend; three
-syncs in a row each give Hugging Face's greedy tokens. Every failure the in-process tests
-cover (the sender failing at each tensor, a wrong shape or an unknown name at a first and a
-later sync, a first sync missing a tensor, a killed sender), each followed by vLLM's own
-``resume_generation`` and a request straight to vLLM: the engine keeps running (it serves the
-mix of versions the failed sync left, which weightsync's worker refuses to serve), and the
-next sync brings exactly the sender's weights. For a model with untied and one with tied
-embeddings (the tied one's LM head is never sent); one AsyncLLM per model."""
+syncs in a row each give Hugging Face's greedy tokens, and so do five kimi syncs by one
+manager (whose plans carry the actor ranks' cached shares, dtypes included, from the second
+on). Every failure the in-process tests cover (the sender failing at each tensor, a wrong
+shape or an unknown name at a first and a later sync, a first sync missing a tensor, a
+killed sender), each followed by vLLM's own ``resume_generation`` and a request straight to
+vLLM: the engine keeps running (it serves the mix of versions the failed sync left, which
+weightsync's worker refuses to serve), and the next sync brings exactly the sender's weights.
+For a model with untied and one with tied embeddings (the tied one's LM head is never sent);
+one AsyncLLM per model."""
 
 import pytest
 import ray
@@ -49,6 +51,22 @@ def test_three_syncs_in_a_row_give_hf_tokens(backend, rollout, source):
         source.sync_into(rollout, backend)
         assert torch.equal(_generate(rollout), expected)
         assert not ray.get(rollout.engine_paused.remote())
+
+
+def test_five_kimi_syncs_by_one_manager_give_hf_tokens(rollout, source):
+    """From the second sync on, kimi's plan for the replica's leader carries the share each
+    actor rank cached at the last one (its tensors' dtypes included); it crosses vLLM's
+    MessagePack into the worker as plain data (before, every sync after the first failed:
+    ``Object of type <class 'torch.dtype'> is not serializable``)."""
+    manager = source.manager_into(rollout, "kimi")  # one manager: the sender's engine is kept
+    for sync in range(5):
+        before = _generate(rollout)
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        assert not torch.equal(before, expected), "the perturbed weights must change the tokens"
+        manager.update_weights(200 + sync)
+        assert torch.equal(_generate(rollout), expected), sync
+        assert ray.get(rollout.weights_status.remote()) == {"version": 200 + sync,
+                                                            "complete": True}
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nixl"])

@@ -4,7 +4,8 @@ its shard, and the greedy tokens after each sync equal Hugging Face's on the sam
 (three syncs in a row over gloo, one over nixl). Over a sharded backend each worker receives
 only its own slices (about half the model). A sync that fails on both workers leaves a
 replica that refuses to serve, and the next sync recovers it (vLLM's executor would otherwise
-answer later calls with the failed call's replies). The actor put in a plain
+answer later calls with the failed call's replies); so does a failed sharded sync, whose
+workers are still receiving when the manager aborts them. The actor put in a plain
 ``RayRolloutReplica`` is refused before any byte moves, naming ``VLLMReplica``. For vLLM's
 ``LLM`` in the actor's process and for ``AsyncLLM`` (its engine core in a process of its own);
 one vLLM engine for each."""
@@ -91,4 +92,32 @@ def test_a_sync_failing_on_both_workers_leaves_a_refusing_replica_that_the_next_
     for _ in range(2):  # each call of the engine gets its own replies again
         expected = source.perturb(PROMPTS, NEW_TOKENS)
         source.sync_into(rollout, replica=replica)
+        assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)
+
+
+@pytest.mark.parametrize("backend", ["gloo_sharded", "nixl_sharded"])
+def test_a_failed_sharded_sync_leaves_a_tp2_replica_that_the_next_syncs_recover(
+    backend, rollout, source
+):
+    """The sender fails half-way through a sharded sync: the replica refuses to serve, and
+    the next two syncs over the same backend give Hugging Face's tokens. Before, the
+    in-process ``LLM`` replica never synced again: a call of the manager's (its ``abort``)
+    entered vLLM's executor while the failed ``update_weights`` was still in it, the two
+    read each other's replies, and every later sync failed at ``locate``
+    (``rollout_rank_hosts[0] must be a host name (str), got None``). The failed sync runs
+    under a 10 s timeout: a vLLM worker may wait that long for a piece its sibling was to
+    relay (``nixl_sharded``), and the manager's ``abort`` reaches no worker before then."""
+    replica = VLLMReplica(rollout, tensor_parallel_size=2)
+    names = ray.get(source.actor.tensor_names.remote())
+    source.perturb(PROMPTS, NEW_TOKENS)
+    failing = source.manager_into(rollout, backend, Faults(raise_after=len(names) // 2),
+                                  replica, sync_timeout_seconds=10)
+    with pytest.raises(SyncStageError, match="injected failure"):
+        failing.update_weights(1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="did not complete"):
+        ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0))
+
+    for _ in range(2):
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        source.sync_into(rollout, backend, replica=replica)
         assert torch.equal(ray.get(rollout.generate.remote(PROMPTS, NEW_TOKENS, 0)), expected)

@@ -1,5 +1,6 @@
 """Engine-stage arguments survive vLLM's msgpack transport between its processes (a dataclass
-arrives as a dict, a tuple as a list) and reach the engine as the types it annotates."""
+arrives as a dict, a tuple as a list, a torch dtype by its name) and reach the engine as the
+types it annotates."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import dataclasses
 
 import msgspec
 import pytest
+import torch
 
-from weightsync_core import ConversionError
-from weightsync_vllm.transfer_engine import typed_arguments
+from weightsync_core import BucketMeta, ConversionError, TensorMeta, WeightSyncError
+from weightsync_core.spi import RemoteBuffer
+from weightsync_vllm.stage_arguments import plain_arguments, typed_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +53,35 @@ def test_a_key_the_dataclass_lacks_is_refused():
     with pytest.raises(ConversionError, match=r"unknown key 'rank' \(given 0\)"):
         typed_arguments(init_process_group, {"plan": {"role": "leader", "owners": [], "rank": 0},
                                              "key": b""})
+
+
+def test_kimis_plan_with_a_cached_share_crosses_msgpack_and_comes_back_typed():
+    """From the second sync on, a replica leader's plan holds each actor rank's cached share,
+    whose tensor entries carry torch dtypes: MessagePack (vLLM's, between its processes)
+    refuses those, so the rollout actor sends them by name and the worker rebuilds them."""
+    from weightsync_kimi.engine import KimiCheckpointEngine
+    from weightsync_kimi.shares import ShareManifest
+    from weightsync_kimi.topology import KimiPlan, Owner
+
+    pieces = [TensorMeta("a", (2, 3), torch.bfloat16, 0, 12, 12),
+              TensorMeta("b", (4,), torch.int64, 256, 32, 32)]
+    share = ShareManifest(0, "127.0.0.1:1234", "update", [
+        (BucketMeta(0, 288, pieces, checksum=2**64 - 1), RemoteBuffer(1 << 40, 288))],
+        [("a", (2, 3), torch.bfloat16), ("b", (4,), torch.int64)], global_steps=7)
+    plan = KimiPlan("leader", "sync", None, (Owner("tcp://127.0.0.1:1", "peer", share),))
+    with pytest.raises(TypeError, match=r"torch\.dtype"):
+        msgspec.msgpack.encode({"plan": plan})  # what vLLM's encoder meets without the fix
+
+    sent = plain_arguments([{"plan": plan}])
+    delivered = msgspec.msgpack.decode(msgspec.msgpack.encode(sent))
+    engine = KimiCheckpointEngine.__new__(KimiCheckpointEngine)
+    assert typed_arguments(engine.init_process_group, delivered[0]) == {"plan": plan}
+
+
+def test_plain_arguments_keep_bytes_and_refuse_what_msgpack_cannot_carry():
+    plain = plain_arguments({"key": b"\x00k", "shape": torch.Size([2, 3]),
+                             "dtype": torch.float16})
+    assert plain == {"key": b"\x00k", "shape": (2, 3), "dtype": "float16"}
+    assert type(plain["shape"]) is tuple
+    with pytest.raises(WeightSyncError, match="Tensor cannot cross vLLM's process boundary"):
+        plain_arguments({"tensor": torch.zeros(1)})

@@ -13,6 +13,7 @@ import torch
 
 from weightsync_core import CheckpointEngineConfig, WeightSyncError
 from weightsync_core.spi import default_host
+from weightsync_vllm.stage_arguments import plain_arguments
 
 __all__ = ["VLLMRolloutWorkerBase", "default_engine_args"]
 
@@ -154,7 +155,8 @@ class VLLMRolloutWorkerBase:
         see :meth:`execute_checkpoint_engine_per_rank`)."""
         self._check_single_rank(f"execute_checkpoint_engine({method!r})")
         await self._ensure_transfer_engine()
-        return await self._rpc("weightsync_call", method=method, kwargs=kwargs)
+        # plain data: vLLM's processes pass it as MessagePack (no torch.dtype in kimi's plan)
+        return await self._rpc("weightsync_call", method=method, kwargs=plain_arguments(kwargs))
 
     async def execute_checkpoint_engine_per_rank(
         self, method: str, per_rank_kwargs: list[dict[str, Any]]
@@ -170,7 +172,7 @@ class VLLMRolloutWorkerBase:
             )
         await self._ensure_transfer_engine()
         results = await self._rpc_all("weightsync_call_per_rank", method=method,
-                                      per_rank_kwargs=per_rank_kwargs)
+                                      per_rank_kwargs=plain_arguments(per_rank_kwargs))
         return _one_per_rank(results)
 
     async def update_weights(

@@ -14,11 +14,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-import typing
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol, runtime_checkable
 
-import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -30,7 +28,6 @@ from weightsync_core import (
     CheckpointEngineConfig,
     CheckpointEngineWorker,
     WeightSyncError,
-    convert,
 )
 from weightsync_core.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
@@ -39,6 +36,7 @@ from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_o
 from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
 from weightsync_vllm.rendezvous import Arguments, Joined, RendezvousMessage
 from weightsync_vllm.shard_layout import tensor_parallel_layout_spec, whole_tensor
+from weightsync_vllm.stage_arguments import typed_arguments
 
 __all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
@@ -77,28 +75,6 @@ def _receiver_rank(parallel_config: Any) -> int:
     across data-parallel replicas, as vLLM indexes a per-worker update info."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return parallel_config.data_parallel_index * parallel_config.world_size + rank
-
-
-def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` converted to ``function``'s annotated parameter types.
-
-    vLLM carries ``collective_rpc`` arguments to its workers as msgpack, which turns a
-    dataclass into a dict and a tuple into a list; an engine's ``init_process_group`` (kimi's
-    plan, say) takes typed values, which are rebuilt here from their annotations."""
-    try:
-        hints = typing.get_type_hints(function)
-    except (NameError, TypeError):  # annotations that do not resolve here: left as sent
-        return kwargs
-    return {name: _typed(value, hints[name]) if name in hints else value
-            for name, value in kwargs.items()}
-
-
-def _typed(value: Any, hint: Any) -> Any:
-    """``value`` as ``hint``: a dataclass through weightsync's strict converter (which also
-    refuses a key the dataclass does not have), any other type through msgspec's."""
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return convert(value, hint)
-    return msgspec.convert(value, hint, strict=True)
 
 
 @runtime_checkable
