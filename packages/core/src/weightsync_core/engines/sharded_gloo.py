@@ -29,7 +29,12 @@ from weightsync_core.process_group import (
 from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.shards.exchange import PlanExchange, PlanSender, PointToPoint
 from weightsync_core.shards.layout import Layout
-from weightsync_core.shards.specs import LayoutSpec, parse_weights_spec, resolve_layout
+from weightsync_core.shards.specs import (
+    LayoutSpec,
+    parse_weights_spec,
+    plan_layouts,
+    resolve_layout,
+)
 from weightsync_core.shards.transfers import TransferPlan
 from weightsync_core.wire import MessageSealer
 
@@ -137,21 +142,36 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """The plan, from every process's layout and actor rank 0's weights (relayed
-        between replicas where actor rank 0's options allow it and it is cheaper)."""
+        between replicas where actor rank 0's options allow it and it is cheaper); the
+        replicas not known, every worker together must need the whole model."""
+        return cls._plan_topology(actor_wg_world_size, rollout_world_size, None, metadata)
+
+    @classmethod
+    def build_replica_topology(
+        cls, actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """:meth:`build_topology`, every replica's workers together needing the whole model,
+        workers named as the manager names them (see
+        :func:`~weightsync_core.shards.plan_layouts`)."""
+        return cls._plan_topology(actor_wg_world_size, sum(replica_sizes), replica_sizes,
+                                  metadata)
+
+    @classmethod
+    def _plan_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int,
+        replica_sizes: list[int] | None, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         weights = metadata[0].get("weights") if metadata else None
         if not weights:
             raise WeightSyncError(
                 "gloo_sharded: actor rank 0 declared no weights (their shapes and dtypes): "
                 "the actor must implement weight_shapes()")
         shapes, dtypes = parse_weights_spec(weights)
-        held = [resolve_layout(metadata[rank].get("layout"), shapes, f"actor rank {rank}")
-                for rank in range(actor_wg_world_size)]
-        needed = [resolve_layout(metadata[actor_wg_world_size + rank].get("layout"), shapes,
-                                 f"rollout rank {rank}") for rank in range(rollout_world_size)]
-        itemsizes = {name: dtype.itemsize for name, dtype in dtypes.items()}
-        plan = TransferPlan.build(shapes, held, needed, itemsizes,
-                                  relay=bool(metadata[0].get("relay", True))).as_data()
         size = actor_wg_world_size + rollout_world_size
+        itemsizes = {name: dtype.itemsize for name, dtype in dtypes.items()}
+        plan = plan_layouts(shapes, [metadata[index].get("layout") for index in range(size)],
+                            actor_wg_world_size, replica_sizes, itemsizes,
+                            relay=bool(metadata[0].get("relay", True))).as_data()
         master = {"host": metadata[0]["host"], "port": metadata[0]["port"]}
 
         def side(first: int, count: int) -> dict[str, list[Any]]:

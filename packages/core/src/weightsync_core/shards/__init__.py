@@ -5,7 +5,13 @@ README, "Sharded delivery")."""
 
 from weightsync_core.shards.box import Box
 from weightsync_core.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
-from weightsync_core.shards.layout import Layout, Shapes, fsdp_layout
+from weightsync_core.shards.layout import (
+    Layout,
+    LayoutMismatchError,
+    Shapes,
+    check_coverage,
+    fsdp_layout,
+)
 from weightsync_core.shards.one_sided import (
     KnownReceivers,
     Landing,
@@ -17,6 +23,7 @@ from weightsync_core.shards.specs import (
     boxes_spec,
     fsdp_spec,
     parse_weights_spec,
+    plan_layouts,
     resolve_layout,
     tensor_parallel_spec,
     weights_spec,
@@ -30,6 +37,7 @@ __all__ = [
     "KnownReceivers",
     "Landing",
     "Layout",
+    "LayoutMismatchError",
     "LayoutSpec",
     "OneSidedCarrier",
     "PieceCarrier",
@@ -40,10 +48,12 @@ __all__ = [
     "Transfer",
     "TransferPlan",
     "boxes_spec",
+    "check_coverage",
     "decoder_tensor_parallel_layout",
     "fsdp_layout",
     "fsdp_spec",
     "parse_weights_spec",
+    "plan_layouts",
     "resolve_layout",
     "tensor_parallel_spec",
     "weights_spec",

@@ -4,21 +4,30 @@ against the shapes into a :class:`~weightsync_core.shards.layout.Layout`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync_core.dtypes import parse_dtype
 from weightsync_core.shards.box import Box
-from weightsync_core.shards.layout import Layout, Shapes, fsdp_layout
+from weightsync_core.shards.layout import (
+    Layout,
+    LayoutMismatchError,
+    Shapes,
+    check_coverage,
+    fsdp_layout,
+)
 from weightsync_core.shards.tensor_parallel import DecoderShape, decoder_tensor_parallel_layout
+from weightsync_core.shards.transfers import TransferPlan, layout_problem
+from weightsync_core.sync_layout import SyncLayout
 
 __all__ = [
     "LayoutSpec",
     "boxes_spec",
     "fsdp_spec",
     "parse_weights_spec",
+    "plan_layouts",
     "resolve_layout",
     "tensor_parallel_spec",
     "weights_spec",
@@ -38,7 +47,7 @@ def fsdp_spec(world_size: int, rank: int) -> dict[str, Any]:
 def tensor_parallel_spec(model: DecoderShape, size: int, rank: int) -> dict[str, Any]:
     """What tensor-parallel rank ``rank`` of ``size`` needs of a Qwen2/Llama-family model
     (:func:`decoder_tensor_parallel_layout`)."""
-    return {"tensor_parallel": {"size": size, "rank": rank, **vars(model)}}
+    return {"tensor_parallel": {"size": size, "rank": rank, **model.as_fields()}}
 
 
 def boxes_spec(layout: Layout) -> dict[str, Any]:
@@ -77,6 +86,43 @@ def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
         raise ValueError(f"{who}: its layout {spec!r} cannot be used: {exc}") from None
     layout.check(shapes, who)
     return layout
+
+
+def plan_layouts(shapes: Shapes, specs: Sequence[LayoutSpec | None], actor_ranks: int,
+                 replica_workers: Sequence[int] | None = None,
+                 itemsizes: Mapping[str, int] | None = None, relay: bool = False
+                 ) -> TransferPlan:
+    """The transfer plan of a sharded sync from every process's declared layout (``specs``:
+    the actor ranks', then the rollout workers', as ``prepare()`` returned them), checked
+    before any byte moves: every layout resolved against ``shapes`` (the weights actor rank
+    0 declared) and fitting them exactly, and each replica's workers
+    (``replica_workers``, in rollout-rank order; None where the replicas are not known:
+    every worker together) needing every element of every tensor.
+
+    Raises:
+        LayoutMismatchError: a layout that cannot be used (a geometry that is not the
+            checkpoint's, a box out of range or empty, a tensor the weights do not have),
+            naming the process as the manager does, the tensor and the shapes, its
+            ``index`` that process (actor ranks first); or a replica whose workers leave
+            elements of a tensor to none of them (:func:`check_coverage`).
+        ValueError: what :meth:`TransferPlan.build` refuses of the actor ranks' layouts.
+    """
+    names = SyncLayout(actor_ranks, tuple(replica_workers)) if replica_workers else None
+    layouts: list[Layout] = []
+    for index, spec in enumerate(specs):
+        rank = index if index < actor_ranks else index - actor_ranks
+        who = (f"actor rank {rank}" if index < actor_ranks else
+               names.rollout_name(rank) if names is not None else f"rollout rank {rank}")
+        try:
+            layouts.append(resolve_layout(spec, shapes, who))
+        except ValueError as exc:
+            raise LayoutMismatchError(str(exc), index=index, problem=layout_problem(exc, who)
+                                      ) from None
+    held, needed = layouts[:actor_ranks], layouts[actor_ranks:]
+    if replica_workers is None:
+        check_coverage(shapes, needed, None, actor_ranks)
+    return TransferPlan.build(shapes, held, needed, itemsizes, relay=relay,
+                              replicas=replica_workers)
 
 
 def _integer(value: Any, field: str) -> int:

@@ -4,6 +4,7 @@ it: column-parallel layers by rows, row-parallel layers by columns, the rest who
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,6 +33,8 @@ class DecoderShape:
             attention).
         head_dim: elements per head (``hidden_size // num_attention_heads`` if not given).
         intermediate_size: the MLP's width.
+        vocab_size: the vocabulary's rows (the embedding's and ``lm_head``'s), where known:
+            a layout then refuses a checkpoint of another vocabulary (None: not checked).
 
     Raises:
         ValueError: a field that is not a positive integer, named.
@@ -41,10 +44,13 @@ class DecoderShape:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "vocab_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"DecoderShape {field.name} must be a positive integer, got {value!r}: "
@@ -56,7 +62,7 @@ class DecoderShape:
     def from_hf_config(cls, config: Any) -> DecoderShape:
         """The geometry of a Hugging Face model config (its ``text_config`` where it has
         one): KV heads default to the query heads, ``head_dim`` to ``hidden_size //
-        num_attention_heads``.
+        num_attention_heads``; ``vocab_size`` where the config states it.
 
         Raises:
             ValueError: a geometry field that is not a positive integer, named.
@@ -66,10 +72,17 @@ class DecoderShape:
         if heads < 1:
             raise ValueError(f"DecoderShape num_attention_heads must be a positive integer, "
                              f"got {heads} from the model config")
+        vocab = getattr(text, "vocab_size", None)
         return cls(num_attention_heads=heads,
                    num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-                   intermediate_size=int(text.intermediate_size))
+                   intermediate_size=int(text.intermediate_size),
+                   vocab_size=None if vocab is None else int(vocab))
+
+    def as_fields(self) -> dict[str, int]:
+        """The fields as plain data (those not given, None, left out)."""
+        return {field.name: value for field in fields(self)
+                if (value := getattr(self, field.name)) is not None}
 
     def check(self, tp_size: int) -> None:
         """Raise where vLLM could not split this model over ``tp_size`` workers.
@@ -100,37 +113,101 @@ def decoder_tensor_parallel_layout(shapes: Shapes, model: DecoderShape, tp_size:
     row-parallel biases) whole. Where ``tp_size`` exceeds the KV heads, each KV head is
     replicated on ``tp_size // num_key_value_heads`` ranks.
 
+    Every tensor it splits must have exactly the size ``model`` gives the split dimension
+    (``q_proj`` rows and ``o_proj`` columns: heads x ``head_dim``; ``k/v_proj`` rows: KV
+    heads x ``head_dim``; ``gate/up_proj`` rows and ``down_proj`` columns:
+    ``intermediate_size``; the vocabulary's rows: ``vocab_size``, where given): a geometry
+    that is not the checkpoint's would cut slices vLLM does not hold, clip some to nothing
+    and leave rows to no worker. The only empty boxes are a rank's share of vLLM's
+    vocabulary padding past the last row (:attr:`Layout.empty_by_design`).
+
     Raises:
-        ValueError: a rank outside ``0 .. tp_size - 1``, or a model vLLM cannot split so.
+        ValueError: a rank outside ``0 .. tp_size - 1``, a model vLLM cannot split so, or a
+            tensor whose shape this geometry does not fit (naming the tensor, its shape,
+            the geometry's size and the fix).
     """
     model.check(tp_size)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tensor-parallel rank {tp_rank} is not a rank of {tp_size}")
-    query = model.num_attention_heads // tp_size * model.head_dim
+    heads, kv_heads, head_dim = (model.num_attention_heads, model.num_key_value_heads,
+                                 model.head_dim)
+    query = heads // tp_size * head_dim
     mlp = model.intermediate_size // tp_size
-    kv_heads = model.num_key_value_heads
     if tp_size <= kv_heads:
-        kv_rows = kv_heads // tp_size * model.head_dim
+        kv_rows = kv_heads // tp_size * head_dim
         kv_start = tp_rank * kv_rows
     else:  # each KV head on tp_size // kv_heads ranks
-        kv_rows = model.head_dim
+        kv_rows = head_dim
         kv_start = tp_rank // (tp_size // kv_heads) * kv_rows
+    attention = _Split(heads * head_dim,
+                       f"num_attention_heads x head_dim = {heads} x {head_dim}", heads,
+                       f"with num_attention_heads {heads}, head_dim")
+    kv = _Split(kv_heads * head_dim, f"num_key_value_heads x head_dim = {kv_heads} x "
+                f"{head_dim}", head_dim, f"with head_dim {head_dim}, num_key_value_heads")
+    width = _Split(model.intermediate_size, "intermediate_size", 1, "intermediate_size")
+    vocab = None if model.vocab_size is None else _Split(model.vocab_size, "vocab_size", 1,
+                                                         "vocab_size")
     boxes: dict[str, Box] = {}
+    empty: set[str] = set()
+    misfits: list[str] = []
     for name, shape in shapes.items():
         if _VOCAB.search(name):
+            misfits += _misfit(name, shape, 0, vocab)
+            if misfits:
+                continue
             padded = -(-shape[0] // _VOCAB_PADDING) * _VOCAB_PADDING
             rows = padded // tp_size
             boxes[name] = Box.along(shape, 0, tp_rank * rows, (tp_rank + 1) * rows)
-        elif _QUERY.search(name):
-            boxes[name] = Box.along(shape, 0, tp_rank * query, (tp_rank + 1) * query)
-        elif _KEY_VALUE.search(name):
-            boxes[name] = Box.along(shape, 0, kv_start, kv_start + kv_rows)
-        elif _ATTENTION_OUT.search(name):
-            boxes[name] = Box.along(shape, 1, tp_rank * query, (tp_rank + 1) * query)
-        elif _MLP_IN.search(name):
-            boxes[name] = Box.along(shape, 0, tp_rank * mlp, (tp_rank + 1) * mlp)
-        elif _MLP_OUT.search(name):
-            boxes[name] = Box.along(shape, 1, tp_rank * mlp, (tp_rank + 1) * mlp)
+            if not boxes[name].numel:  # this rank's rows are all vLLM's padding
+                empty.add(name)
+            continue
+        for pattern, dim, split, start, stop in (
+                (_QUERY, 0, attention, tp_rank * query, (tp_rank + 1) * query),
+                (_KEY_VALUE, 0, kv, kv_start, kv_start + kv_rows),
+                (_ATTENTION_OUT, 1, attention, tp_rank * query, (tp_rank + 1) * query),
+                (_MLP_IN, 0, width, tp_rank * mlp, (tp_rank + 1) * mlp),
+                (_MLP_OUT, 1, width, tp_rank * mlp, (tp_rank + 1) * mlp)):
+            if pattern.search(name):
+                misfits += _misfit(name, shape, dim, split)
+                if not misfits:
+                    boxes[name] = Box.along(shape, dim, start, stop)
+                break
         else:
             boxes[name] = Box.whole(shape)
-    return Layout(boxes)
+    if misfits:
+        more = (f" ({len(misfits)} tensors of the weights do not fit it, the first named)"
+                if len(misfits) > 1 else "")
+        raise ValueError(
+            f"{misfits[0]}{more}: the geometry declared for this tensor-parallel worker is "
+            "not that of the checkpoint the actor streams, so its slices would "
+            "not be the rows vLLM holds and some rows would reach no worker; declare the "
+            "checkpoint's geometry (DecoderShape.from_hf_config of the config the actor's "
+            "weights were built from), or load the actor's model on this worker")
+    return Layout(boxes, empty_by_design=frozenset(empty))
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The size a geometry gives a split dimension, how it was computed, and how to say
+    which value would fit a tensor's own size (``unit``: the size one more of the field in
+    ``fits`` adds)."""
+
+    size: int
+    formula: str
+    unit: int
+    fits: str
+
+
+def _misfit(name: str, shape: Sequence[int], dim: int, split: _Split | None) -> list[str]:
+    """``[what is wrong]`` where ``shape``'s dimension ``dim`` is not ``split``'s size (no
+    ``split``: nothing to check but the dimension), else ``[]``."""
+    side = "rows" if dim == 0 else "columns"
+    if len(shape) <= dim:
+        return [f"tensor {name!r} has shape {list(shape)}, but a tensor-parallel layout "
+                f"splits its {side} (dimension {dim})"]
+    if split is None or shape[dim] == split.size:
+        return []
+    fits = (f" ({split.fits} {shape[dim] // split.unit} would fit it)"
+            if shape[dim] % split.unit == 0 else "")
+    return [f"tensor {name!r} has shape {list(shape)}, {shape[dim]} {side}, but the declared "
+            f"geometry gives it {split.formula} = {split.size}{fits}"]

@@ -14,7 +14,8 @@ from itertools import pairwise
 from typing import Any
 
 from weightsync_core.shards.box import Box
-from weightsync_core.shards.layout import Layout, Shapes
+from weightsync_core.shards.layout import Layout, LayoutMismatchError, Shapes, check_coverage
+from weightsync_core.sync_layout import SyncLayout
 
 __all__ = ["Transfer", "TransferPlan"]
 
@@ -46,8 +47,8 @@ class TransferPlan:
 
     @classmethod
     def build(cls, shapes: Shapes, held: Sequence[Layout], needed: Sequence[Layout],
-              itemsizes: Mapping[str, int] | None = None, relay: bool = False
-              ) -> TransferPlan:
+              itemsizes: Mapping[str, int] | None = None, relay: bool = False,
+              replicas: Sequence[int] | None = None) -> TransferPlan:
         """Intersect what each actor rank holds (``held[rank]``) with what each rollout
         worker needs (``needed[rank]``): every needed element comes from an actor rank that
         holds it, only the rows (boxes) it holds leave it, and where several ranks hold the
@@ -61,15 +62,29 @@ class TransferPlan:
         only where they lower the bytes of the busiest sender (actor rank or relaying
         worker), and is the plain one otherwise.
 
+        ``replicas``: the workers of each replica, in rollout-rank order (the manager's
+        numbering); where given, errors name workers as the manager does ("rollout rank 3
+        (replica 1, worker 1)") and each replica's workers must together need every element
+        of every tensor (:func:`~weightsync_core.shards.layout.check_coverage`).
+
         Raises:
-            ValueError: a layout that does not fit ``shapes``; actor ranks holding pieces of
-                one tensor that overlap without being equal; or an element some worker
-                needs that no actor rank holds (naming the worker, the tensor and the box).
+            LayoutMismatchError: a layout that does not fit ``shapes`` (another number of
+                dimensions, indices past the end, an empty box of a non-empty tensor on a
+                worker), or, with ``replicas``, a replica whose workers leave part of a
+                tensor to none of them (naming the process, the tensor, the box and the
+                shape; its ``index`` is the process, actor ranks first).
+            ValueError: actor ranks holding pieces of one tensor that overlap without being
+                equal; or an element some worker needs that no actor rank holds (naming the
+                worker, the tensor and the box).
         """
+        names = SyncLayout(len(held), tuple(replicas)) if replicas else None
         for rank, layout in enumerate(held):
-            layout.check(shapes, f"actor rank {rank}")
+            _check(layout, shapes, f"actor rank {rank}", rank, needs=False)
         for rank, layout in enumerate(needed):
-            layout.check(shapes, f"rollout rank {rank}")
+            who = names.rollout_name(rank) if names is not None else f"rollout rank {rank}"
+            _check(layout, shapes, who, len(held) + rank, needs=True)
+        if replicas is not None:
+            check_coverage(shapes, needed, replicas, len(held))
         plain = cls(_plan(shapes, held, needed, itemsizes or {}, relay=False))
         if not relay:
             return plain
@@ -140,6 +155,23 @@ class TransferPlan:
             load[transfer.source] += transfer.box.numel * (itemsizes or {}).get(
                 transfer.name, 1)
         return max(load.values(), default=0)
+
+
+def _check(layout: Layout, shapes: Shapes, who: str, index: int, needs: bool) -> None:
+    """:meth:`Layout.check`, its error a :class:`LayoutMismatchError` blaming process
+    ``index`` (actor ranks first)."""
+    try:
+        layout.check(shapes, who, needs=needs)
+    except ValueError as exc:
+        raise LayoutMismatchError(str(exc), index=index, problem=layout_problem(exc, who)
+                                  ) from None
+
+
+def layout_problem(exc: Exception, who: str) -> str:
+    """What :class:`LayoutMismatchError`'s ``problem`` says of ``who``'s layout that failed
+    with ``exc`` (whose message starts with ``who``)."""
+    detail = str(exc).removeprefix(f"{who}: ")
+    return f"whose layout does not fit the weights actor rank 0 declared ({detail})"
 
 
 def _plan(shapes: Shapes, held: Sequence[Layout], needed: Sequence[Layout],

@@ -27,6 +27,7 @@ from weightsync_core.shards.specs import (
     resolve_layout,
     tensor_parallel_spec,
 )
+from weightsync_core.shards.tensor_parallel import DecoderShape
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
 from weightsync_core.testing.weights import DECODER, Faults, TensorDigest, digest, make_weights
@@ -150,6 +151,52 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             for worker in added.workers:
                 ray.kill(worker)
         assert metrics["weightsync/bytes_sent"] == _distinct_bytes(expected)
+
+    def test_sharded_mismatched_geometry_is_refused_at_prepare(self, harness: SyncHarness
+                                                               ) -> None:
+        """The last worker of a TP replica declares a geometry that is not the checkpoint's
+        (head_dim, intermediate size, vocabulary, KV heads, one at a time): each sync is
+        refused at prepare, before any byte moves, naming that worker as the manager numbers
+        it and the first tensor its slices do not fit; every replica keeps serving the
+        weights it had (resumed, not stale); with the right geometry the next sync delivers
+        every slice."""
+        replicas = harness.replicas
+        if all(len(replica.workers) < 2 for replica in replicas):
+            pytest.skip("no tensor-parallel replica (replica_sizes has no replica of 2+)")
+        index = max(i for i, replica in enumerate(replicas) if len(replica.workers) > 1)
+        size = len(replicas[index].workers)
+        rank = sum(len(replica.workers) for replica in replicas[:index + 1]) - 1
+        worker = replicas[index].workers[-1]
+        name = f"rollout rank {rank} (replica {index}, worker {size - 1})"
+        manager = harness.manager()
+        with self._sharded(harness, replicas) as layouts:
+            self._sync_and_check(harness, manager, 78, replicas, layouts,
+                                 allow_manifest_change=True)
+            served = [report["received"] for report in harness.reports(replicas)]
+            for field, value, tensor in (
+                    ("head_dim", 2 * DECODER.head_dim, "model.layers.0.self_attn.q_proj.weight"),
+                    ("intermediate_size", 2 * DECODER.intermediate_size,
+                     "model.layers.0.mlp.gate_proj.weight"),
+                    ("vocab_size", 128, "model.embed_tokens.weight"),
+                    ("num_key_value_heads", 1, "model.layers.0.self_attn.k_proj.weight")):
+                wrong = DecoderShape(**{**vars(DECODER), field: value})
+                ray.get(worker.set_layout.remote(tensor_parallel_spec(wrong, size, size - 1)))
+                harness.set_weights(seed=79, profile=_PROFILE)
+                with pytest.raises(SyncStageError) as info:
+                    manager.update_weights_sync(global_steps=79)
+                message = str(info.value)
+                assert info.value.stage == "prepare", message
+                assert info.value.worker == name, message
+                assert f"tensor {tensor!r} has shape" in message, message
+                assert "declared geometry gives it" in message, message
+                assert not manager.stale_replicas, message
+                reports = harness.reports(replicas)
+                assert [report["received"] for report in reports] == served, field
+                for report in reports:
+                    assert report["global_steps"][-1] == 78, (field, report["global_steps"])
+                    assert report["lifecycle"][-1] == "resume_generation", report["lifecycle"]
+            ray.get(worker.set_layout.remote(layouts[rank]))
+            self._sync_and_check(harness, manager, 80, replicas, layouts)
 
     def test_sharded_sender_that_dies_is_blamed(self, harness: SyncHarness) -> None:
         """Actor rank 1 dies after a few of its shards: the sync fails within its timeout,
