@@ -5,11 +5,16 @@ import pytest
 import ray
 
 from weightsync_core import SyncStageError
-from weightsync_core.testing import CheckpointEngineConformanceTests, DeltaSyncConformanceTests
+from weightsync_core.testing import (
+    CheckpointEngineConformanceTests,
+    ConnectionStormTests,
+    DeltaSyncConformanceTests,
+)
 from weightsync_core.testing.harness import SyncHarness
 
 
-class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
+class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
+                          ConnectionStormTests):
     backend = "kimi"
     engine_kwargs = {"protocol": "tcp", "collective": "gloo"}  # noqa: RUF012
     actor_world_size = 2

@@ -2,6 +2,7 @@
 
 from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
+    ConnectionStormTests,
     ControlFrameReplayTests,
     DeltaSyncConformanceTests,
     ShardedDeliveryConformanceTests,
@@ -9,7 +10,8 @@ from weightsync_core.testing import (
 
 
 class TestMooncakeConformance(
-    CheckpointEngineConformanceTests, ControlFrameReplayTests, DeltaSyncConformanceTests
+    CheckpointEngineConformanceTests, ControlFrameReplayTests, DeltaSyncConformanceTests,
+    ConnectionStormTests,
 ):
     """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP;
     includes a tensor 5x the bucket size (chunked, not refused)."""
@@ -19,7 +21,7 @@ class TestMooncakeConformance(
 
 
 class TestMooncakeShardedConformance(CheckpointEngineConformanceTests,
-                                     ShardedDeliveryConformanceTests):
+                                     ShardedDeliveryConformanceTests, ConnectionStormTests):
     """Sharded delivery with every actor rank writing its slices by Mooncake over TCP; small
     writes, so the embedding's pieces land in several."""
 

@@ -5,12 +5,14 @@ import pytest
 from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ColocatedEngineConformanceTests,
+    ConnectionStormTests,
     DeltaSyncConformanceTests,
     ShardedDeliveryConformanceTests,
 )
 
 
-class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
+class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
+                          ConnectionStormTests):
     backend = "gloo"
 
 
@@ -64,13 +66,14 @@ def test_skipped_cases_are_pytest_skips_with_their_reason():
 
 
 class TestShardedGlooConformance(CheckpointEngineConformanceTests,
-                                 ShardedDeliveryConformanceTests):
+                                 ShardedDeliveryConformanceTests, ConnectionStormTests):
     """Sharded delivery over gloo point to point; small chunks, so the embedding's pieces
     travel in several."""
 
     backend = "gloo_sharded"
     engine_kwargs = {"chunk_megabytes": 0.004}  # noqa: RUF012
     soak_syncs = 100  # a group is built every sync: a leak per sync shows after 100 as well
+    storm_syncs = 10  # each sync's sealed store and gloo group churned from when they listen
 
     _NO_PORT_BETWEEN_SYNCS = (
         "gloo_sharded builds its group afresh every sync and listens only during one (its "

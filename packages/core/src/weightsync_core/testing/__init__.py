@@ -17,10 +17,12 @@ _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
           "ControlFrameReplayTests")
 _DELTA_SUITE = ("DeltaSyncConformanceTests",)
 _SHARDED_SUITE = ("ShardedDeliveryConformanceTests",)
+_STORM_SUITE = ("ConnectionStormTests",)
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
     from weightsync_core.testing.delta_suite import DeltaSyncConformanceTests
     from weightsync_core.testing.sharded_suite import ShardedDeliveryConformanceTests
+    from weightsync_core.testing.storm_suite import ConnectionStormTests
     from weightsync_core.testing.suite import (
         CheckpointEngineConformanceTests,
         ColocatedEngineConformanceTests,
@@ -29,7 +31,7 @@ if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when ask
 
 __all__ = [
     "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
-    "ControlFrameReplayTests", "DeltaSyncConformanceTests", "Faults",
+    "ConnectionStormTests", "ControlFrameReplayTests", "DeltaSyncConformanceTests", "Faults",
     "Placement", "ShardedDeliveryConformanceTests", "SyncHarness", "digest", "digests",
     "ensure_ray", "make_weights", "user_ray_cluster",
 ]
@@ -49,4 +51,8 @@ def __getattr__(name: str) -> Any:
         from weightsync_core.testing import sharded_suite
 
         return getattr(sharded_suite, name)
+    if name in _STORM_SUITE:
+        from weightsync_core.testing import storm_suite
+
+        return getattr(storm_suite, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,10 +10,15 @@ its path. Run it as ``churner HOST PORT[,PORT...] MODE AMOUNT``:
   attacker's ports); a connection the listener did not complete within 100 ms counts as
   refused;
 - ``hold N``: open ``N`` connections to each port and hold them until SIGTERM (child
-  processes share the work where one process may not hold so many descriptors);
+  processes share the work where one process may not hold so many descriptors); a
+  connection the listener did not complete within a second counts as refused;
 - ``seconds S``: open and close connections to every port, as fast as it can, for ``S``
   seconds, the same way (started before the listener, it churns from the moment it
-  listens).
+  listens);
+- ``watch S``: the same, at the given ports (``0``: none) and at every TCP port that starts
+  listening on this host after the churner started (read from ``/proc/net/tcp`` every
+  20 ms, as any local user can): a sync's rendezvous store and transport listeners are
+  churned from the moment they listen, without the attacker knowing their ports.
 
 It prints ``ready`` once it has started (``hold``: once every connection is open) and, when
 done or on SIGTERM, one JSON line: ``{"connections": ..., "refused": ..., "seconds": ...}``.
@@ -54,14 +59,70 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec / 1e9;
 }
 
-static int open_one(struct sockaddr_in *addr) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  if (connect(fd, (struct sockaddr *)addr, sizeof(*addr)) != 0) {
-    close(fd);
-    return -1;
+/* Open connections k = first .. last - 1 (to addrs[k % nports]), 256 at a time without
+   waiting for each; keep those the listener completed within a second, close the rest. */
+static void hold_range(struct sockaddr_in *addrs, int nports, long first, long last,
+                       long *held, long *failed) {
+  struct pollfd fds[256];
+  for (long k = first; k < last; ) {
+    int n = 0;
+    for (; k < last && n < 256; k++) {
+      int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      if (fd < 0) { (*failed)++; continue; }
+      if (connect(fd, (struct sockaddr *)&addrs[k % nports], sizeof(addrs[0])) != 0 &&
+          errno != EINPROGRESS) {
+        close(fd);
+        (*failed)++;
+        continue;
+      }
+      fds[n].fd = fd;
+      fds[n].events = POLLOUT;
+      fds[n].revents = 0;
+      n++;
+    }
+    double deadline = now() + 1.0;
+    int open = n;
+    while (open > 0 && now() < deadline) {
+      if (poll(fds, n, 10) < 0 && errno != EINTR) break;
+      open = 0;
+      for (int i = 0; i < n; i++) {
+        if (fds[i].fd < 0 || fds[i].events == 0) continue;
+        if (fds[i].revents) {
+          int error = 0;
+          socklen_t size = sizeof(error);
+          getsockopt(fds[i].fd, SOL_SOCKET, SO_ERROR, &error, &size);
+          if (error == 0) { (*held)++; fds[i].events = 0; }  /* kept open */
+          else { close(fds[i].fd); fds[i].fd = -1; (*failed)++; }
+        } else {
+          open++;
+        }
+      }
+    }
+    for (int i = 0; i < n; i++)
+      if (fds[i].fd >= 0 && fds[i].events != 0) { close(fds[i].fd); (*failed)++; }
   }
-  return fd;
+}
+
+/* The IPv4 TCP ports listening on this host now (from /proc/net/tcp), up to `max`. */
+static int listening_ports(int *out, int max) {
+  FILE *file = fopen("/proc/net/tcp", "r");
+  if (!file) return 0;
+  char line[512];
+  int n = 0;
+  if (!fgets(line, sizeof(line), file)) { fclose(file); return 0; }
+  while (n < max && fgets(line, sizeof(line), file)) {
+    unsigned int ip, port, remote_ip, remote_port, state;
+    if (sscanf(line, " %*d: %8X:%4X %8X:%4X %2X", &ip, &port, &remote_ip, &remote_port,
+               &state) == 5 && state == 0x0A)
+      out[n++] = (int)port;
+  }
+  fclose(file);
+  return n;
+}
+
+static int contains(const int *ports, int n, int port) {
+  for (int i = 0; i < n; i++) if (ports[i] == port) return 1;
+  return 0;
 }
 
 static void reset_close(int fd) {
@@ -115,18 +176,21 @@ static void churn_batch(struct sockaddr_in *addr, long batch, long *connections,
 
 int main(int argc, char **argv) {
   if (argc != 5) {
-    fprintf(stderr, "usage: %s HOST PORT[,PORT...] close|hold|seconds AMOUNT\n", argv[0]);
+    fprintf(stderr, "usage: %s HOST PORT[,PORT...] close|hold|seconds|watch AMOUNT\n", argv[0]);
     return 2;
   }
   struct sockaddr_in addrs[64];
-  int nports = 0;
+  int given[64];
+  int ngiven = 0;
   char *ports = strdup(argv[2]);
-  for (char *p = strtok(ports, ","); p && nports < 64; p = strtok(NULL, ",")) {
-    memset(&addrs[nports], 0, sizeof(addrs[nports]));
-    addrs[nports].sin_family = AF_INET;
-    addrs[nports].sin_port = htons((unsigned short)atoi(p));
-    inet_pton(AF_INET, argv[1], &addrs[nports].sin_addr);
-    nports++;
+  for (char *p = strtok(ports, ","); p && ngiven < 64; p = strtok(NULL, ","))
+    if (atoi(p) > 0) given[ngiven++] = atoi(p);
+  int nports = ngiven;
+  for (int i = 0; i < nports; i++) {
+    memset(&addrs[i], 0, sizeof(addrs[i]));
+    addrs[i].sin_family = AF_INET;
+    addrs[i].sin_port = htons((unsigned short)given[i]);
+    inet_pton(AF_INET, argv[1], &addrs[i].sin_addr);
   }
   const char *mode = argv[3];
   double amount = atof(argv[4]);
@@ -149,6 +213,34 @@ int main(int argc, char **argv) {
     while (!stop && now() - start < amount) {
       for (int i = 0; i < nports; i++) churn_batch(&addrs[i], BATCH, &connections, &refused);
     }
+  } else if (strcmp(mode, "watch") == 0) {
+    static int initial[65536], now_listening[65536];
+    int ninitial = listening_ports(initial, 65536);
+    printf("ready\n");
+    fflush(stdout);
+    double looked = 0;
+    while (!stop && now() - start < amount) {
+      if (now() - looked >= 0.02) {  /* the given ports, then every port new since start */
+        looked = now();
+        int nnow = listening_ports(now_listening, 65536);
+        nports = ngiven;
+        for (int k = 0; k < nnow && nports < 64; k++) {
+          int port = now_listening[k];
+          if (contains(initial, ninitial, port) || contains(given, ngiven, port)) continue;
+          int seen = 0;
+          for (int i = ngiven; i < nports; i++)
+            if (ntohs(addrs[i].sin_port) == port) seen = 1;
+          if (seen) continue;
+          memset(&addrs[nports], 0, sizeof(addrs[nports]));
+          addrs[nports].sin_family = AF_INET;
+          addrs[nports].sin_port = htons((unsigned short)port);
+          inet_pton(AF_INET, argv[1], &addrs[nports].sin_addr);
+          nports++;
+        }
+      }
+      if (nports == 0) { usleep(1000); continue; }
+      for (int i = 0; i < nports; i++) churn_batch(&addrs[i], BATCH, &connections, &refused);
+    }
   } else if (strcmp(mode, "hold") == 0) {
     struct rlimit limit;
     getrlimit(RLIMIT_NOFILE, &limit);
@@ -164,10 +256,8 @@ int main(int argc, char **argv) {
       pids[c] = fork();
       if (pids[c] == 0) {
         long mine = 0, failed = 0;
-        for (long k = (long)c * per_child; k < total && k < (long)(c + 1) * per_child; k++) {
-          int fd = open_one(&addrs[k % nports]);
-          if (fd < 0) failed++; else mine++;
-        }
+        long last = (long)(c + 1) * per_child < total ? (long)(c + 1) * per_child : total;
+        hold_range(addrs, nports, (long)c * per_child, last, &mine, &failed);
         long report[2] = {mine, failed};
         if (write(pipes[1], report, sizeof(report)) != sizeof(report)) _exit(1);
         while (!stop) pause();
