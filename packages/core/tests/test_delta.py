@@ -17,7 +17,6 @@ from weightsync_core.delta import (
     apply_patch,
     encode_patch,
 )
-from weightsync_core.delta_ledger import DeltaLedger
 from weightsync_core.errors import ManifestChangedError, VerificationError
 from weightsync_core.testing.weights import (
     ONE_ELEMENT,
@@ -221,35 +220,6 @@ def test_a_patch_for_a_tensor_the_receiver_lacks_fails_naming_it():
     receiver.baselines.clear()
     with pytest.raises(VerificationError, match="tensor 'a', of which it holds no copy"):
         _sync(sender, receiver, {"a": torch.ones(4)}, DeltaPlan(version="v2", base="v1"))
-
-
-def _bases(rounds: list[tuple[list[object], DeltaPlan]]) -> list[tuple[int, str | None]]:
-    """Each round's replica count and base."""
-    return [(len(group), plan.base) for group, plan in rounds]
-
-
-def test_the_ledger_sends_deltas_to_holders_and_whole_copies_to_the_rest_in_one_sync():
-    first, second = object(), object()
-    ledger = DeltaLedger(full_every=3)
-    [(_, plan)] = ledger.rounds([first])
-    assert plan.base is None  # nothing sent yet
-    ledger.succeeded([([first], plan)])
-    [(_, delta)] = ledger.rounds([first])
-    assert delta.base == plan.version
-    mixed = ledger.rounds([second, first])  # the newcomer holds nothing
-    assert [group for group, _ in mixed] == [[first], [second]]  # patches first
-    assert _bases(mixed) == [(1, plan.version), (1, None)]
-    assert mixed[0][1].version == mixed[1][1].version  # one version, two rounds
-    assert _bases(ledger.rounds([first, second], force_full=True)) == [(2, None)]
-    ledger.succeeded(mixed)
-    assert ledger.holds(first) == ledger.holds(second) == mixed[0][1].version
-    [(_, again)] = ledger.rounds([first, second])
-    assert again.base == mixed[0][1].version
-    ledger.succeeded([([first, second], again)])
-    assert _bases(ledger.rounds([first, second])) == [(2, None)]  # every 3rd sync is full
-    ledger.failed([first])
-    assert _bases(ledger.rounds([second])) == [(1, None)]  # the actor side's copy is gone
-    assert ledger.holds(first) is None
 
 
 def test_delta_is_refused_before_any_byte_moves_where_the_backend_cannot_move_it():

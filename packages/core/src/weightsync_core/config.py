@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILT_SETTINGS",
+    "DELTA_HELD",
     "MAX_BUCKET_MEGABYTES",
     "TRAVEL_OPTIONS",
     "CheckpointEngineConfig",
@@ -46,6 +47,15 @@ BUILT_SETTINGS = "built_settings"
 ``execute_checkpoint_engine``) to learn the :meth:`CheckpointEngineConfig.travel_settings` its
 engine was built with; a worker that does not answer it (verl's own workers) is not
 compared."""
+
+DELTA_HELD = "delta_held"
+"""The call a delta-enabled sync makes on every process (through its worker's
+``execute_checkpoint_engine``) before it chooses who gets patches: ``{"version": token or
+None, "needs_base": bool}``, the delta version the process holds a copy of and, on an actor
+rank, whether this sync can send patches only where it holds the base (it sends, or keeps a
+slice of a copy spread over the ranks). A process that does not answer (verl's own workers)
+is taken to hold no known version: it gets whole tensors."""
+
 
 def physical_memory_bytes() -> int | None:
     """This machine's physical memory in bytes (``SC_PHYS_PAGES * SC_PAGE_SIZE``), or None

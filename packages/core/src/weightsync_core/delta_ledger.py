@@ -1,5 +1,6 @@
-"""Which version of the weights the actor side and each replica hold, as the manager saw its
-delta-enabled syncs end: what decides whether a sync can send deltas."""
+"""Which replicas of a delta-enabled sync get patches: decided from the versions the
+processes themselves report holding, and the manager's own record of full syncs and
+failures."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ _Replica = TypeVar("_Replica")
 
 
 class DeltaLedger:
-    """The manager's record of delta versions.
+    """The manager's record of delta syncs.
 
-    A sync sends deltas against the actor side's version to the replicas that hold that
-    version, and whole tensors to the others (a new or re-added replica, one whose last
-    sync failed or was loaded another way): see :meth:`rounds`. Everyone gets whole tensors
-    on the first sync, after a failed one, on a change of layout and every
-    ``full_every``-th sync.
+    A sync sends deltas against the version the actor side holds to the replicas all of
+    whose workers hold that version, and whole tensors to the others: see :meth:`rounds`,
+    which is given what each process reports holding (so a sync of another manager, a
+    replica loaded another way or a restarted process leads to whole tensors where needed,
+    never to a failed sync). Everyone gets whole tensors where the actor side holds no
+    version, after a failed sync, on a change of layout and every ``full_every``-th sync.
     The processes check the plan themselves too: a process asked to send or apply deltas
-    against a version it does not hold (say, it restarted) fails the sync before applying
-    anything, and the next sync is a full one.
+    against a version it does not hold fails the sync before applying anything.
 
     Args:
         full_every: make every Nth sync a whole copy for everyone (0: only when needed).
@@ -31,51 +32,41 @@ class DeltaLedger:
 
     def __init__(self, full_every: int = 0) -> None:
         self.full_every = full_every
-        self._actor_version: str | None = None
-        self._replica_versions: dict[int, tuple[object, str]] = {}
         self._since_full = 0
+        self._last_failed = False
 
-    def holds(self, replica: object) -> str | None:
-        """The version ``replica`` holds (None: none known)."""
-        entry = self._replica_versions.get(id(replica))
-        return entry[1] if entry is not None and entry[0] is replica else None
-
-    def rounds(self, replicas: Sequence[_Replica], *, force_full: bool = False
+    def rounds(self, replicas: Sequence[_Replica], actor_version: str | None,
+               held: Sequence[Sequence[str | None]], *, force_full: bool = False
                ) -> list[tuple[list[_Replica], DeltaPlan]]:
         """How a sync to ``replicas`` moves a new version (one fresh token): patches to the
-        replicas that hold the actor side's version, then whole tensors to the rest; one
-        round where all or none hold it. Patches go first: the actor side's copy is the base
-        they are against until they have been sent."""
+        replicas that hold ``actor_version`` (the actor side's, as its sending rank
+        reports it; None: none), then whole tensors to the rest; one round where all or
+        none hold it. ``held[i]``: the version each worker of ``replicas[i]`` reports (None:
+        none, or it could not say). Patches go first: the actor side's copy is the base they
+        are against until they have been sent."""
+        if len(held) != len(replicas):
+            raise ValueError(f"rounds: {len(held)} replicas' reported versions for "
+                             f"{len(replicas)} replicas; pass one list per replica")
         full = DeltaPlan.new()
-        base = self._actor_version
         due = self.full_every > 0 and self._since_full + 1 >= self.full_every
-        if force_full or due or base is None:
+        if force_full or due or self._last_failed or actor_version is None:
             return [(list(replicas), full)]
         holders: list[_Replica] = []
         others: list[_Replica] = []
-        for replica in replicas:
-            (holders if self.holds(replica) == base else others).append(replica)
-        delta = DeltaPlan(full.version, base)
+        for replica, versions in zip(replicas, held, strict=True):
+            holds = bool(versions) and all(version == actor_version for version in versions)
+            (holders if holds else others).append(replica)
+        delta = DeltaPlan(full.version, actor_version)
         return [(group, plan) for group, plan in ((holders, delta), (others, full)) if group]
 
     def succeeded(self, rounds: Iterable[tuple[Iterable[object], DeltaPlan]]) -> None:
-        """Record a sync that ended complete, by its :meth:`rounds`: the actor side and
-        every replica hold its version."""
-        rounds = list(rounds)
+        """Record a sync that ended complete, by its :meth:`rounds` (as they ran: a round of
+        patches that fell back to whole tensors counts as whole)."""
         patched = any(plan.is_delta for _, plan in rounds)
         self._since_full = self._since_full + 1 if patched else 0
-        self._actor_version = rounds[0][1].version  # one version, however many rounds
-        for replicas, plan in rounds:
-            for replica in replicas:
-                self._replica_versions[id(replica)] = (replica, plan.version)
+        self._last_failed = False
 
-    def failed(self, replicas: Iterable[object]) -> None:
-        """Record a failed sync: neither the actor side nor ``replicas`` hold a known
-        version any more (each may have changed part of its copy)."""
-        self._actor_version = None
-        self.forget(replicas)
-
-    def forget(self, replicas: Iterable[object]) -> None:
-        """``replicas`` hold no known version (removed, or loaded another way)."""
-        for replica in replicas:
-            self._replica_versions.pop(id(replica), None)
+    def failed(self) -> None:
+        """Record a failed sync: the next one sends whole tensors to everyone (a process may
+        have changed part of its copy)."""
+        self._last_failed = True

@@ -18,7 +18,7 @@ import ray
 from weightsync_core.base import CheckpointEngineWithCache
 from weightsync_core.blame import describe_exception, metadata_culprit, settings_mismatch
 from weightsync_core.blocking import retrieve_exception
-from weightsync_core.config import BUILT_SETTINGS, CheckpointEngineConfig
+from weightsync_core.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
 from weightsync_core.delta import DeltaPlan
 from weightsync_core.delta_ledger import DeltaLedger
 from weightsync_core.errors import MetadataError, SyncStageError
@@ -213,7 +213,8 @@ class CheckpointEngineManager:
                 "does (gloo, nccl, hccl, nixl, mooncake, kimi)"
             )
         self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
-        """Which version each replica holds, where ``config.delta`` is set."""
+        """Where ``config.delta`` is set: when a sync must be whole for everyone (see
+        :meth:`DeltaLedger.rounds`; who holds which version, the processes say)."""
         self.travel_settings = config.travel_settings(self.backend_cls)
         """The settings of ``config`` that change what travels
         (:meth:`CheckpointEngineConfig.travel_settings`): before any byte of a sync moves,
@@ -261,8 +262,6 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
-            if self.delta_ledger is not None:
-                self.delta_ledger.forget([replica])
         self._addresses.clear()  # rollout ranks are renumbered
 
     def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
@@ -417,22 +416,25 @@ class CheckpointEngineManager:
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
         paused = replicas if not self.backend_cls.is_colocated else []
-        rounds = self._rounds(replicas, from_cache, allow_manifest_change)
+        rounds: list[_Round] = []
         done: list[_Round] = []
         try:
             await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"),
                              members=self._replica_workers)
             await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"),
                              members=self._replica_workers)
+            rounds = await self._rounds(stages, replicas, from_cache, allow_manifest_change)
             for round_ in rounds:
                 await self._move(stages, round_, global_steps, from_cache,
                                  allow_manifest_change, mixed=len(rounds) > 1)
                 done.append(round_)
         except BaseException as exc:
-            if self.delta_ledger is not None:
-                self.delta_ledger.failed(replicas)
+            if self.delta_ledger is not None and not from_cache:
+                # a load from the cache sends nothing: the actor side's copy is untouched,
+                # and the workers that loaded forget theirs (they report none next sync)
+                self.delta_ledger.failed()
             error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
-            in_flight = rounds[len(done)].replicas
+            in_flight = rounds[len(done)].replicas if len(done) < len(rounds) else replicas
             await asyncio.shield(self._recover(error, replicas, in_flight))
             if error is exc or isinstance(exc, asyncio.CancelledError):
                 raise
@@ -440,12 +442,9 @@ class CheckpointEngineManager:
         self.stale_replicas = [
             stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
         ]
-        if self.delta_ledger is not None:
-            if from_cache:  # loaded from the cache: no copy kept for deltas
-                self.delta_ledger.forget(replicas)
-            else:
-                self.delta_ledger.succeeded(
-                    (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
+        if self.delta_ledger is not None and not from_cache:
+            self.delta_ledger.succeeded(
+                (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
         await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
                          min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
@@ -456,15 +455,60 @@ class CheckpointEngineManager:
             metrics.update(_delta_metrics(rounds, self.backend_cls.encodes_own_share))
         return metrics
 
-    def _rounds(self, replicas: list[RolloutReplica], from_cache: bool,
-                allow_manifest_change: bool) -> list[_Round]:
+    async def _rounds(self, stages: SyncStages, replicas: list[RolloutReplica],
+                      from_cache: bool, allow_manifest_change: bool) -> list[_Round]:
         """How this sync moves the weights: one round to every replica, or, in a delta sync
         where only some hold the actor side's version, patches to those first, then whole
-        tensors to the rest (:meth:`DeltaLedger.rounds`)."""
+        tensors to the rest (:meth:`DeltaLedger.rounds`, from what the processes report
+        holding: :meth:`_held_versions`)."""
         if self.delta_ledger is None or from_cache:
             return [_Round(replicas, None)]
-        return [_Round(group, plan) for group, plan in
-                self.delta_ledger.rounds(replicas, force_full=allow_manifest_change)]
+        actor_version, held = await self._held_versions(stages, replicas)
+        return [_Round(group, plan) for group, plan in self.delta_ledger.rounds(
+            replicas, actor_version, held, force_full=allow_manifest_change)]
+
+    async def _held_versions(self, stages: SyncStages, replicas: list[RolloutReplica]
+                             ) -> tuple[str | None, list[list[str | None]]]:
+        """Ask every actor rank and every worker of ``replicas``, in stage ``locate``, which
+        delta version it holds (:data:`~weightsync_core.config.DELTA_HELD`); a process that
+        cannot say holds none. Returns actor rank 0's version (the rank that sends, whatever
+        else does: :meth:`_fall_back_where_senders_lack_the_base` checks the others once
+        their roles are known) and, per replica, its workers' versions."""
+        processes = self._processes(replicas)
+        stages.peers = processes.peers
+        held = processes.engine_calls(DELTA_HELD)
+        answers = await stages.run("locate", lambda: [
+            (name, _answer_or_none(call, DELTA_HELD)) for name, call in held()])
+        versions = [_held_version(answer) for answer in answers]
+        first = processes.layout.actor_ranks
+        per_replica: list[list[str | None]] = []
+        for replica in replicas:
+            per_replica.append(versions[first:first + len(replica.workers)])
+            first += len(replica.workers)
+        return versions[0], per_replica
+
+    async def _fall_back_where_senders_lack_the_base(
+        self, stages: SyncStages, processes: _SyncProcesses, round_: _Round
+    ) -> None:
+        """Once the engines know their roles (after ``init_process_group``): make a round of
+        patches a round of whole tensors (same version) where an actor rank that sends, or
+        keeps a slice of the copy, does not hold its base (a relay of a multi-sender engine
+        that had no share of an earlier sync, a rank that restarted, one that cannot say),
+        so that it falls back instead of failing."""
+        plan = round_.plan
+        if plan is None or not plan.is_delta:
+            return
+        names = processes.layout.actor_names
+        answers = await stages.run("init_process_group", lambda: [
+            (name, _answer_or_none(ref, DELTA_HELD)) for name, ref in zip(
+                names, processes.actor.execute_checkpoint_engine(DELTA_HELD), strict=True)])
+        lacking = [name for name, answer in zip(names, answers, strict=True)
+                   if _needs_base(answer) and _held_version(answer) != plan.base]
+        if lacking:
+            logger.info("delta sync: %s hold(s) no copy of version %s; whole tensors to "
+                        "replica(s) %s instead of patches", ", ".join(lacking), plan.base,
+                        self._indices(round_.replicas))
+            round_.plan = DeltaPlan(plan.version)
 
     async def _move(self, stages: SyncStages, round_: _Round, global_steps: int | None,
                     from_cache: bool, allow_manifest_change: bool, mixed: bool) -> None:
@@ -472,14 +516,12 @@ class CheckpointEngineManager:
         of the two rounds of a mixed delta sync says which replicas it moved to (its error
         names processes and replicas as the manager numbers them, as every sync's does)."""
         options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
-        if round_.plan is not None:
-            options.update(delta_base=round_.plan.base, delta_version=round_.plan.version)
         try:
             if self.backend_cls.is_colocated:
                 round_.sent = await self._hand_over_in_process(stages, global_steps, options)
             else:
                 round_.sent, round_.loaded = await self._send_to_replicas(
-                    stages, round_.replicas, global_steps, from_cache, options
+                    stages, round_, global_steps, from_cache, options
                 )
             self._check_tensors_moved(round_.sent)
         except SyncStageError as error:
@@ -509,12 +551,15 @@ class CheckpointEngineManager:
         )))
 
     async def _send_to_replicas(
-        self, stages: SyncStages, replicas: list[RolloutReplica], global_steps: int | None,
+        self, stages: SyncStages, round_: _Round, global_steps: int | None,
         from_cache: bool, options: dict[str, Any],
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The engines' stages of a sync from the actor ranks (or, ``from_cache``, the actor
-        side's cache) to the replicas' workers. Returns what was moved (the senders'
-        counts, or what one worker loaded from the cache) and what each worker loaded."""
+        side's cache) to the workers of ``round_``'s replicas, under its delta plan (which
+        may fall back to whole tensors once the engines know their roles). Returns what was
+        moved (the senders' counts, or what one worker loaded from the cache) and what each
+        worker loaded."""
+        replicas = round_.replicas
         processes = self._processes(replicas)
         layout = processes.layout
         stages.peers = processes.peers
@@ -530,6 +575,10 @@ class CheckpointEngineManager:
         await stages.run("init_process_group", processes.engine_calls(
             "init_process_group", actor_kwargs, rollout_kwargs,
         ), progress)
+        await self._fall_back_where_senders_lack_the_base(stages, processes, round_)
+        if round_.plan is not None:
+            options = {**options, "delta_base": round_.plan.base,
+                       "delta_version": round_.plan.version}
         if from_cache:
             results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
             sent, loaded = results[:1], results
@@ -622,7 +671,8 @@ class CheckpointEngineManager:
         settings = processes.engine_calls(BUILT_SETTINGS)
         world_size = processes.layout.world_size
         results = await stages.run("locate", lambda: [
-            *addresses(), *((name, _settings_or_none(call)) for name, call in settings()),
+            *addresses(), *((name, _answer_or_none(call, BUILT_SETTINGS))
+                            for name, call in settings()),
         ])
         hosts, reported = results[:world_size], results[world_size:]
         processes.layout.with_hosts(hosts)  # every answer a host name
@@ -862,17 +912,31 @@ def _abort_calls(
         return []
 
 
-async def _settings_or_none(call: Awaitable[Any]) -> Any:
-    """What a process answers :data:`~weightsync_core.config.BUILT_SETTINGS` with, or None
-    where its worker does not know the call (verl's own workers hand it to their engine,
-    which has no such method): such a process is not compared. Any other failure (a process
+async def _answer_or_none(call: Awaitable[Any], method: str) -> Any:
+    """What a process answers ``method`` (:data:`~weightsync_core.config.BUILT_SETTINGS`,
+    :data:`~weightsync_core.config.DELTA_HELD`) with, or None where its worker does not know
+    the call (verl's own workers hand it to their engine, which has no such method): such a
+    process is not compared, and holds no known delta version. Any other failure (a process
     that died) is the stage's."""
     try:
         return await call
     except AttributeError as exc:  # a Ray task error is an instance of its cause's class
-        if BUILT_SETTINGS in str(exc):
+        if method in str(exc):
             return None
         raise
+
+
+def _held_version(answer: Any) -> str | None:
+    """The delta version in a process's :data:`~weightsync_core.config.DELTA_HELD` answer
+    (None: it holds none, or said nothing usable)."""
+    version = answer.get("version") if isinstance(answer, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _needs_base(answer: Any) -> bool:
+    """Whether an actor rank's :data:`~weightsync_core.config.DELTA_HELD` answer says a
+    round of patches needs it to hold their base; a rank that could not say is taken to."""
+    return not isinstance(answer, dict) or answer.get("needs_base") is not False
 
 
 async def _resume(replica: RolloutReplica) -> None:

@@ -20,7 +20,7 @@ from weightsync_core.base import (
 )
 from weightsync_core.blocking import run_blocking
 from weightsync_core.bucketing import WeightsSource, iter_named_tensors, iter_named_tensors_sync
-from weightsync_core.config import BUILT_SETTINGS, CheckpointEngineConfig
+from weightsync_core.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
 from weightsync_core.delta import DeltaPlan, DeltaReceiver, DeltaSender, SpreadDeltaSender
 from weightsync_core.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.options import parse_options
@@ -328,13 +328,16 @@ class CheckpointEngineWorker:
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.config.BUILT_SETTINGS` answers what this process's engine
-        was built with (:func:`built_settings`)."""
+        was built with (:func:`built_settings`), :data:`~weightsync_core.config.DELTA_HELD`
+        the delta version this worker holds a copy of."""
         if method == "abort" and not kwargs:
             self.checkpoint_engine = await _engine_after_abort(self.checkpoint_engine,
                                                                self.config)
             return None
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.config, self.checkpoint_engine)
+        if method == DELTA_HELD and not kwargs:
+            return {"version": self.delta_receiver.version, "needs_base": False}
         if method == "prepare":
             self._declare_layout()
         return await _execute(self.checkpoint_engine, method, kwargs)
@@ -519,7 +522,8 @@ class ActorCheckpointEngineMixin:
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.config.BUILT_SETTINGS` answers what this process's engine
-        was built with (:func:`built_settings`)."""
+        was built with (:func:`built_settings`), :data:`~weightsync_core.config.DELTA_HELD`
+        the delta version this rank holds a copy of (:meth:`delta_held`)."""
         self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
             self.checkpoint_engine = await _engine_after_abort(
@@ -528,10 +532,22 @@ class ActorCheckpointEngineMixin:
             return None
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.checkpoint_engine_config, self.checkpoint_engine)
+        if method == DELTA_HELD and not kwargs:
+            return self.delta_held()
         engine = self.checkpoint_engine
         if method == "prepare" and getattr(engine, "executes_layouts", False):
             engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
         return await _execute(engine, method, kwargs)
+
+    def delta_held(self) -> dict[str, Any]:
+        """This rank's answer to :data:`~weightsync_core.config.DELTA_HELD`: the version of
+        its delta copy (None: none), and whether a sync can send patches only where this
+        rank holds their base: it sends (asked after ``init_process_group``, which gives it
+        its role) or keeps a slice of a copy spread over the actor's ranks."""
+        sender = self.delta_sender
+        return {"version": sender.version,
+                "needs_base": (self.checkpoint_engine.sends_weights()
+                               or isinstance(sender, SpreadDeltaSender))}
 
     def weight_layout(self) -> LayoutSpec | None:
         """What this rank holds, for engines that deliver layouts (``gloo_sharded``): a

@@ -189,9 +189,13 @@ class DeltaSender(_Versioned):
         """What a sending process hands its engine: ``weights`` encoded for ``plan``
         (:meth:`encode`), or, where the sync is not delta-enabled (``plan`` None) or this
         process does not send (``sending`` False), ``weights`` as they are, this side's copy
-        dropped (the receivers' copies no longer match it)."""
+        dropped (the receivers' copies no longer match it), unless it is already of
+        ``plan``'s version: this process sent it in an earlier round of the same sync (a
+        relay that sent patches to some replicas and has no share of the round of whole
+        tensors to the rest), and its receivers hold it."""
         if plan is None or not sending:
-            self.forget()
+            if plan is None or self.version != plan.version:
+                self.forget()
             return weights
         return self.encode(weights, plan, rollout_dtype)
 
