@@ -79,8 +79,9 @@ class ConversionError(ValueError):
 
 
 def convert(data: Any, target: type[T]) -> T:
-    """Build ``target`` (a dataclass) from ``data`` (plain mappings, sequences, scalars; a
-    torch dtype may be given by its name, as MessagePack carries it).
+    """Build ``target`` (a dataclass, or any type msgspec builds: ``list[int]``,
+    ``torch.dtype``, ...) from ``data`` (plain mappings, sequences, scalars; a torch dtype may
+    be given by its name, as MessagePack carries it).
 
     Raises:
         ConversionError: an unknown key, a value of the wrong type, or a value ``target``'s own
@@ -128,8 +129,8 @@ def _dataclass_arm(hint: Any, value: Any) -> type | None:
 
 
 def _refuse_unknown_keys(data: Any, target: type, path: tuple[str, ...]) -> None:
-    if not isinstance(data, Mapping):
-        return  # msgspec names the type error
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(target):
+        return  # msgspec names the type error, or checks the keys itself
     fields = {f.name for f in dataclasses.fields(target) if f.init}  # pyright: ignore[reportArgumentType]
     hints = get_type_hints(target)
     for key, value in data.items():

@@ -12,7 +12,6 @@ process works across them.
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -23,11 +22,6 @@ import torch
 from weightsync_core import WeightSyncError, convert
 
 __all__ = ["plain_arguments", "typed_arguments"]
-
-_DTYPES: dict[str, torch.dtype] = {
-    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
-}
-"""Every torch dtype by its name (``"bfloat16"``), as :func:`plain_arguments` writes it."""
 
 
 def _plain_value(value: Any) -> Any:
@@ -49,17 +43,6 @@ def plain_arguments(kwargs: Any) -> Any:
                                enc_hook=_plain_value)
 
 
-def _typed_value(kind: type, value: Any) -> Any:
-    """msgspec's ``dec_hook``: a torch dtype from its name."""
-    if kind is torch.dtype:
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str) and value in _DTYPES:
-            return _DTYPES[value]
-        raise ValueError(f"{value!r} is not a torch dtype")
-    raise NotImplementedError(f"no conversion to {kind!r}")
-
-
 def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` converted to ``function``'s annotated parameter types.
 
@@ -71,13 +54,7 @@ def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dic
         hints = typing.get_type_hints(function)
     except (NameError, TypeError):  # annotations that do not resolve here: left as sent
         return kwargs
-    return {name: _typed(value, hints[name]) if name in hints else value
+    # weightsync's strict converter: a dataclass refuses a key it does not have, a dtype
+    # comes back from its name
+    return {name: convert(value, hints[name]) if name in hints else value
             for name, value in kwargs.items()}
-
-
-def _typed(value: Any, hint: Any) -> Any:
-    """``value`` as ``hint``: a dataclass through weightsync's strict converter (which also
-    refuses a key the dataclass does not have), any other type through msgspec's."""
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return convert(value, hint)
-    return msgspec.convert(value, hint, strict=True, dec_hook=_typed_value)

@@ -16,18 +16,14 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import ray
 
 from weightsync_core.testing.churn import build_churner
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
-
-if TYPE_CHECKING:
-    from weightsync_core.manager import CheckpointEngineManager
 
 __all__ = ["ConnectionStormTests"]
 
@@ -62,8 +58,8 @@ class ConnectionStormTests(_ConformanceBase):
         over."""
         manager = harness.manager()
         processes = harness.workers()
-        self._timed_sync(harness, manager, _SEED)  # every engine listens now
-        calm = max(self._timed_sync(harness, manager, _SEED + step) for step in (1, 2))
+        self.timed_sync(harness, manager, _SEED)  # every engine listens now
+        calm = max(self.timed_sync(harness, manager, _SEED + step) for step in (1, 2))
         before = ray.get([process.resources.remote() for process in processes])
         ports = sorted({port for ports in harness.engine_ports().values() for port in ports})
         churner = str(build_churner())
@@ -74,11 +70,11 @@ class ConnectionStormTests(_ConformanceBase):
         try:
             for churner_process in (held, churning):
                 _await_ready(churner_process)
-            seconds = [self._timed_sync(harness, manager, _SEED + 3 + step)
+            seconds = [self.timed_sync(harness, manager, _SEED + 3 + step)
                        for step in range(self.storm_syncs)]
         finally:
             during = [_stop(process) for process in (held, churning)]
-        self._timed_sync(harness, manager, _SEED + 3 + self.storm_syncs)
+        self.timed_sync(harness, manager, _SEED + 3 + self.storm_syncs)
         after = ray.get([process.resources.remote() for process in processes])
         growth = {key: max(b[key] - a[key] for a, b in zip(before, after, strict=True))
                   for key in self.storm_bounds}
@@ -94,16 +90,6 @@ class ConnectionStormTests(_ConformanceBase):
         for key, bound in self.storm_bounds.items():
             assert growth[key] <= bound, f"{key} grew by {growth[key]} after the storm: {growth}"
 
-    def _timed_sync(self, harness: SyncHarness, manager: CheckpointEngineManager, step: int
-                    ) -> float:
-        """Sync the weights of ``step`` and check every receiver got them; the seconds it
-        took."""
-        expected = harness.set_weights(seed=step)
-        start = time.monotonic()
-        manager.update_weights_sync(global_steps=step)
-        seconds = time.monotonic() - start
-        self.assert_delivered(harness, expected)
-        return seconds
 
 
 def _joined(ports: Sequence[int]) -> str:

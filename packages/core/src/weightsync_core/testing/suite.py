@@ -187,6 +187,17 @@ class _ConformanceBase:
                 if isinstance(item, pytest.Function) and item.cls is cls
                 and item.get_closest_marker("skip") is None]
 
+    def timed_sync(self, harness: SyncHarness, manager: CheckpointEngineManager, step: int
+                   ) -> float:
+        """Sync the weights of seed ``step`` and check every receiver got them; the seconds
+        the sync took."""
+        expected = harness.set_weights(seed=step)
+        start = time.monotonic()
+        manager.update_weights_sync(global_steps=step)
+        seconds = time.monotonic() - start
+        self.assert_delivered(harness, expected)
+        return seconds
+
     @staticmethod
     def assert_delivered(harness: SyncHarness, expected: dict, replicas=None) -> None:
         """Every receiving process got exactly ``expected`` (names, shapes, dtypes, bytes)."""
@@ -643,17 +654,8 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         factor, extra, memory = self.flood_bounds
         manager = harness.manager()
         processes = harness.workers()
-
-        def timed_sync(step: int) -> float:
-            expected = harness.set_weights(seed=step)
-            start = time.monotonic()
-            manager.update_weights_sync(global_steps=step)
-            seconds = time.monotonic() - start
-            self.assert_delivered(harness, expected)
-            return seconds
-
-        timed_sync(50)  # every engine listens now, its buffers are allocated
-        calm = statistics.median(timed_sync(step) for step in (51, 52, 53))
+        self.timed_sync(harness, manager, 50)  # every engine listens now, its buffers are allocated
+        calm = statistics.median(self.timed_sync(harness, manager, step) for step in (51, 52, 53))
         before = ray.get([process.resources.remote() for process in processes])
         ports = sorted({port for ports in harness.engine_ports().values() for port in ports})
         flooder = subprocess.Popen(
@@ -666,7 +668,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
                 raise RuntimeError("the flooder's stdout is not a pipe")
             assert flooder.stdout.readline().strip() == "ready"
             time.sleep(1.0)  # the flood is in full swing
-            flooded = [timed_sync(step) for step in (54, 55, 56)]
+            flooded = [self.timed_sync(harness, manager, step) for step in (54, 55, 56)]
             after = ray.get([process.resources.remote() for process in processes])
         finally:
             flooder.send_signal(signal.SIGTERM)
