@@ -59,50 +59,6 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec / 1e9;
 }
 
-/* Open connections k = first .. last - 1 (to addrs[k % nports]), 256 at a time without
-   waiting for each; keep those the listener completed within a second, close the rest. */
-static void hold_range(struct sockaddr_in *addrs, int nports, long first, long last,
-                       long *held, long *failed) {
-  struct pollfd fds[256];
-  for (long k = first; k < last; ) {
-    int n = 0;
-    for (; k < last && n < 256; k++) {
-      int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-      if (fd < 0) { (*failed)++; continue; }
-      if (connect(fd, (struct sockaddr *)&addrs[k % nports], sizeof(addrs[0])) != 0 &&
-          errno != EINPROGRESS) {
-        close(fd);
-        (*failed)++;
-        continue;
-      }
-      fds[n].fd = fd;
-      fds[n].events = POLLOUT;
-      fds[n].revents = 0;
-      n++;
-    }
-    double deadline = now() + 1.0;
-    int open = n;
-    while (open > 0 && now() < deadline) {
-      if (poll(fds, n, 10) < 0 && errno != EINTR) break;
-      open = 0;
-      for (int i = 0; i < n; i++) {
-        if (fds[i].fd < 0 || fds[i].events == 0) continue;
-        if (fds[i].revents) {
-          int error = 0;
-          socklen_t size = sizeof(error);
-          getsockopt(fds[i].fd, SOL_SOCKET, SO_ERROR, &error, &size);
-          if (error == 0) { (*held)++; fds[i].events = 0; }  /* kept open */
-          else { close(fds[i].fd); fds[i].fd = -1; (*failed)++; }
-        } else {
-          open++;
-        }
-      }
-    }
-    for (int i = 0; i < n; i++)
-      if (fds[i].fd >= 0 && fds[i].events != 0) { close(fds[i].fd); (*failed)++; }
-  }
-}
-
 /* The IPv4 TCP ports listening on this host now (from /proc/net/tcp), up to `max`. */
 static int listening_ports(int *out, int max) {
   FILE *file = fopen("/proc/net/tcp", "r");
@@ -131,19 +87,23 @@ static void reset_close(int fd) {
   close(fd);
 }
 
-/* Start up to `batch` connections to `addr` at once (non-blocking), wait up to 100 ms for
-   them, then reset every one: the connections that completed count, the rest are refused. */
+/* Start connections k = first .. last - 1 (to addrs[k % nports]), up to BATCH at once
+   without waiting for each, and wait up to `wait` seconds for them: those the listener
+   completed count in `completed` and are kept open (`keep`) or reset, the rest count in
+   `failed` and are reset. Returns the k it got to. */
 #define BATCH 256
-static void churn_batch(struct sockaddr_in *addr, long batch, long *connections,
-                        long *refused) {
+static long connect_batch(struct sockaddr_in *addrs, int nports, long first, long last,
+                          double wait, int keep, long *completed, long *failed) {
   struct pollfd fds[BATCH];
   int n = 0;
-  for (long k = 0; k < batch && k < BATCH; k++) {
+  long k = first;
+  while (k < last && n < BATCH) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
-    if (fd < 0) break;
+    struct sockaddr_in *addr = &addrs[k++ % nports];
+    if (fd < 0) { (*failed)++; break; }  /* out of descriptors: wait for this batch */
     if (connect(fd, (struct sockaddr *)addr, sizeof(*addr)) != 0 && errno != EINPROGRESS) {
       close(fd);
-      (*refused)++;
+      (*failed)++;
       continue;
     }
     fds[n].fd = fd;
@@ -151,27 +111,35 @@ static void churn_batch(struct sockaddr_in *addr, long batch, long *connections,
     fds[n].revents = 0;
     n++;
   }
-  double deadline = now() + 0.1;
+  double deadline = now() + wait;
   int open = n;
   while (open > 0 && now() < deadline) {
     if (poll(fds, n, 10) < 0 && errno != EINTR) break;
     open = 0;
-    for (int k = 0; k < n; k++) {
-      if (fds[k].fd < 0) continue;
-      if (fds[k].revents) {
+    for (int i = 0; i < n; i++) {
+      if (fds[i].fd < 0) continue;
+      if (fds[i].revents) {
         int error = 0;
         socklen_t size = sizeof(error);
-        getsockopt(fds[k].fd, SOL_SOCKET, SO_ERROR, &error, &size);
-        if (error == 0) (*connections)++; else (*refused)++;
-        reset_close(fds[k].fd);
-        fds[k].fd = -1;
+        getsockopt(fds[i].fd, SOL_SOCKET, SO_ERROR, &error, &size);
+        if (error == 0) (*completed)++; else (*failed)++;
+        if (error != 0 || !keep) reset_close(fds[i].fd);
+        fds[i].fd = -1;  /* settled: kept open or closed */
       } else {
         open++;
       }
     }
   }
-  for (int k = 0; k < n; k++)
-    if (fds[k].fd >= 0) { reset_close(fds[k].fd); (*refused)++; }
+  for (int i = 0; i < n; i++)
+    if (fds[i].fd >= 0) { reset_close(fds[i].fd); (*failed)++; }
+  return k;
+}
+
+static void set_address(struct sockaddr_in *addr, const char *host, int port) {
+  memset(addr, 0, sizeof(*addr));
+  addr->sin_family = AF_INET;
+  addr->sin_port = htons((unsigned short)port);
+  inet_pton(AF_INET, host, &addr->sin_addr);
 }
 
 int main(int argc, char **argv) {
@@ -186,12 +154,7 @@ int main(int argc, char **argv) {
   for (char *p = strtok(ports, ","); p && ngiven < 64; p = strtok(NULL, ","))
     if (atoi(p) > 0) given[ngiven++] = atoi(p);
   int nports = ngiven;
-  for (int i = 0; i < nports; i++) {
-    memset(&addrs[i], 0, sizeof(addrs[i]));
-    addrs[i].sin_family = AF_INET;
-    addrs[i].sin_port = htons((unsigned short)given[i]);
-    inet_pton(AF_INET, argv[1], &addrs[i].sin_addr);
-  }
+  for (int i = 0; i < nports; i++) set_address(&addrs[i], argv[1], given[i]);
   const char *mode = argv[3];
   double amount = atof(argv[4]);
   signal(SIGTERM, on_term);
@@ -204,14 +167,15 @@ int main(int argc, char **argv) {
     for (int i = 0; i < nports; i++) {
       long before = connections + refused;
       while (connections + refused - before < (long)amount && !stop)
-        churn_batch(&addrs[i], (long)amount - (connections + refused - before), &connections,
-                    &refused);
+        connect_batch(&addrs[i], 1, 0, (long)amount - (connections + refused - before), 0.1,
+                      0, &connections, &refused);
     }
   } else if (strcmp(mode, "seconds") == 0) {
     printf("ready\n");
     fflush(stdout);
     while (!stop && now() - start < amount) {
-      for (int i = 0; i < nports; i++) churn_batch(&addrs[i], BATCH, &connections, &refused);
+      for (int i = 0; i < nports; i++)
+        connect_batch(&addrs[i], 1, 0, BATCH, 0.1, 0, &connections, &refused);
     }
   } else if (strcmp(mode, "watch") == 0) {
     static int initial[65536], now_listening[65536];
@@ -231,15 +195,12 @@ int main(int argc, char **argv) {
           for (int i = ngiven; i < nports; i++)
             if (ntohs(addrs[i].sin_port) == port) seen = 1;
           if (seen) continue;
-          memset(&addrs[nports], 0, sizeof(addrs[nports]));
-          addrs[nports].sin_family = AF_INET;
-          addrs[nports].sin_port = htons((unsigned short)port);
-          inet_pton(AF_INET, argv[1], &addrs[nports].sin_addr);
-          nports++;
+          set_address(&addrs[nports++], argv[1], port);
         }
       }
       if (nports == 0) { usleep(1000); continue; }
-      for (int i = 0; i < nports; i++) churn_batch(&addrs[i], BATCH, &connections, &refused);
+      for (int i = 0; i < nports; i++)
+        connect_batch(&addrs[i], 1, 0, BATCH, 0.1, 0, &connections, &refused);
     }
   } else if (strcmp(mode, "hold") == 0) {
     struct rlimit limit;
@@ -257,7 +218,8 @@ int main(int argc, char **argv) {
       if (pids[c] == 0) {
         long mine = 0, failed = 0;
         long last = (long)(c + 1) * per_child < total ? (long)(c + 1) * per_child : total;
-        hold_range(addrs, nports, (long)c * per_child, last, &mine, &failed);
+        for (long k = (long)c * per_child; k < last; )
+          k = connect_batch(addrs, nports, k, last, 1.0, 1, &mine, &failed);
         long report[2] = {mine, failed};
         if (write(pipes[1], report, sizeof(report)) != sizeof(report)) _exit(1);
         while (!stop) pause();
