@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from weightsync_core.shards import KnownReceivers, Landing
+from weightsync_core.data.shards import KnownReceivers, Landing
 from weightsync_nixl import NixlTransport
 
 

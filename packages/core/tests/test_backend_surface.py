@@ -39,7 +39,7 @@ def _core_imports(tree: ast.Module) -> list[tuple[int, str]]:
 def _private_core_methods() -> set[str]:
     """Names of the underscore methods of core's engine classes (not dunders)."""
     trees = [tree for _, tree in _modules(CORE_SOURCES / "engines")]
-    trees.append(ast.parse((CORE_SOURCES / "base.py").read_text()))
+    trees.append(ast.parse((CORE_SOURCES / "api" / "engine.py").read_text()))
     return {node.name for tree in trees for node in ast.walk(tree)
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _private(node.name)}
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from weightsync_core.base import SyncProgress
-from weightsync_core.blame import STUCK_WAIT_SECONDS, settings_mismatch, stalled_processes
+from weightsync_core.api.engine import SyncProgress
+from weightsync_core.orchestration.blame import (
+    STUCK_WAIT_SECONDS,
+    settings_mismatch,
+    stalled_processes,
+)
 
 NAMES = ["actor_wg rank 0", "rollout rank 0 (replica 0, worker 0)",
          "rollout rank 1 (replica 1, worker 0)", "rollout rank 2 (replica 2, worker 0)"]

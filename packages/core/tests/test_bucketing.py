@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from weightsync_core.bucketing import ALIGNMENT, BucketPacker, BucketUnpacker
+from weightsync_core.api.checksums import host_checksum
+from weightsync_core.data.bucketing import ALIGNMENT, BucketPacker, BucketUnpacker
 from weightsync_core.testing import digests, make_weights
-from weightsync_core.verification import host_checksum
 
 BUCKET = 64 << 10
 
@@ -152,7 +152,7 @@ def test_direct_and_packed_buckets_interleave_bit_exact():
 
 
 def test_synchronous_iteration_validates_and_refuses_an_async_only_source():
-    from weightsync_core.bucketing import iter_named_tensors_sync
+    from weightsync_core.data.bucketing import iter_named_tensors_sync
 
     weights = {"x": torch.ones(2), "y": torch.zeros(3)}
     assert [name for name, _ in iter_named_tensors_sync(weights)] == ["x", "y"]
@@ -171,7 +171,7 @@ def test_synchronous_iteration_validates_and_refuses_an_async_only_source():
 def test_a_bad_item_late_in_a_state_dict_or_list_fails_before_the_first_is_packed(late):
     """A whole list (or state dict) is checked before any bucket is filled: no byte of it
     moves (a generator can only be checked as it yields)."""
-    from weightsync_core.bucketing import iter_named_tensors, iter_named_tensors_sync
+    from weightsync_core.data.bucketing import iter_named_tensors, iter_named_tensors_sync
 
     weights = [("a", torch.ones(2)), ("b", torch.ones(2)), late]
     error = ValueError if late[0] == "a" else TypeError

@@ -9,7 +9,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from weightsync_core.channel import (
+from weightsync_core.api.session_key import new_session_key
+from weightsync_core.net.channel import (
     _ENVELOPES,
     FRAGMENT_BYTES,
     MAX_FRAME_BYTES,
@@ -17,7 +18,7 @@ from weightsync_core.channel import (
     _Envelope,
     zmq_endpoint,
 )
-from weightsync_core.wire import MessageCodec, MessageSealer, new_session_key
+from weightsync_core.net.wire import MessageCodec, MessageSealer
 
 
 class Note(msgspec.Struct, tag="note", frozen=True):

@@ -5,8 +5,8 @@ from importlib.metadata import PackageNotFoundError, distribution
 
 import pytest
 
+from weightsync_core.api.registry import KNOWN_BACKENDS
 from weightsync_core.cli import main
-from weightsync_core.registry import KNOWN_BACKENDS
 
 
 def _missing_backend() -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from weightsync_core import CheckpointEngineConfig
-from weightsync_core.config import parse_dtype
+from weightsync_core.api.config import parse_dtype
 
 
 def test_defaults_follow_verl():
@@ -51,7 +51,7 @@ def test_parse_dtype_accepts_names_and_dtypes():
 def test_errors_survive_pickling_across_ray_with_their_attributes():
     import pickle
 
-    from weightsync_core.errors import SyncTimeoutError, TransferError, VerificationError
+    from weightsync_core.api.errors import SyncTimeoutError, TransferError, VerificationError
 
     for error in (
         VerificationError("bad", tensors=["w"]),
@@ -69,7 +69,7 @@ GIB = 1 << 30
 @pytest.fixture
 def six_gib_machine(monkeypatch):
     """This machine, as if it had 6 GiB of physical memory."""
-    from weightsync_core import config as config_module
+    from weightsync_core.api import config as config_module
 
     monkeypatch.setattr(config_module, "physical_memory_bytes", lambda: 6 * GIB, raising=False)
 
@@ -89,8 +89,8 @@ def test_host_buckets_that_cannot_fit_in_physical_memory_are_refused(six_gib_mac
 def test_the_memory_bound_counts_a_ring_worker_s_slots_and_spares_device_buckets(
     six_gib_machine,
 ):
+    from weightsync_core.api.registry import CheckpointEngineRegistry
     from weightsync_core.engines import RingCheckpointEngine
-    from weightsync_core.registry import CheckpointEngineRegistry
 
     if "test_memory_ring" not in CheckpointEngineRegistry.names():
         @CheckpointEngineRegistry.register("test_memory_ring")
@@ -115,8 +115,8 @@ def test_the_memory_bound_counts_a_ring_worker_s_slots_and_spares_device_buckets
 
 
 def test_the_bucket_is_checked_again_where_the_engine_is_built(monkeypatch):
-    from weightsync_core import config as config_module
-    from weightsync_core.worker import build_engine
+    from weightsync_core.api import config as config_module
+    from weightsync_core.worker.owners import build_engine
 
     config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1024)
     # a worker's machine, smaller than the driver's
@@ -126,7 +126,7 @@ def test_the_bucket_is_checked_again_where_the_engine_is_built(monkeypatch):
 
 
 def test_the_64_gib_cap_holds_beside_this_machine_s_real_memory():
-    from weightsync_core.config import MAX_BUCKET_MEGABYTES, physical_memory_bytes
+    from weightsync_core.api.config import MAX_BUCKET_MEGABYTES, physical_memory_bytes
 
     memory = physical_memory_bytes()
     assert memory is not None and memory > GIB

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
-from weightsync_core.delta import (
+from weightsync_core.api.errors import ManifestChangedError, VerificationError
+from weightsync_core.data.delta import (
     DeltaBaselineError,
     DeltaPlan,
     DeltaReceiver,
@@ -17,7 +18,6 @@ from weightsync_core.delta import (
     apply_patch,
     encode_patch,
 )
-from weightsync_core.errors import ManifestChangedError, VerificationError
 from weightsync_core.testing.weights import (
     ONE_ELEMENT,
     convert_in_place,

@@ -10,9 +10,9 @@ import pytest
 import ray
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
-from weightsync_core.delta import DeltaPlan
-from weightsync_core.delta_ledger import DeltaLedger
-from weightsync_core.ray_group import RayRolloutReplica
+from weightsync_core.data.delta import DeltaPlan
+from weightsync_core.orchestration.delta_ledger import DeltaLedger
+from weightsync_core.orchestration.ray_group import RayRolloutReplica
 from weightsync_core.testing.harness import SyncHarness
 
 _SEED = 90

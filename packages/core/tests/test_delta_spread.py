@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weightsync_core.delta import (
+from weightsync_core.api.errors import ManifestChangedError
+from weightsync_core.data.delta import (
     DeltaBaselineError,
     DeltaPlan,
     DeltaReceiver,
     DeltaSender,
     SpreadDeltaSender,
 )
-from weightsync_core.errors import ManifestChangedError
 from weightsync_core.testing.weights import ONE_ELEMENT, sparse_updates
 
 RANKS = 2

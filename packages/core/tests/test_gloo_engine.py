@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
+from weightsync_core.api.errors import SenderAbortedError, TransferError, VerificationError
+from weightsync_core.api.session_key import new_session_key
 from weightsync_core.engines import GlooCheckpointEngine
-from weightsync_core.errors import SenderAbortedError, TransferError, VerificationError
+from weightsync_core.net.wire import MessageSealer
 from weightsync_core.testing import digests, make_weights
-from weightsync_core.wire import MessageSealer, new_session_key
 
 BUCKET = 256 << 10
 
@@ -134,7 +135,7 @@ def test_metadata_sealed_under_another_key_is_refused_naming_the_sender():
 
 
 def test_a_process_with_another_key_cannot_take_a_rank():
-    from weightsync_core.errors import GroupInitTimeoutError
+    from weightsync_core.api.errors import GroupInitTimeoutError
 
     engines = ThreadedSync(GlooCheckpointEngine, receivers=2, group_init_timeout=2)
     outsider = engines.rollout[1]
@@ -170,7 +171,7 @@ def test_consumer_that_keeps_every_tensor_never_sees_them_overwritten():
 
 
 def test_streaming_consumer_reuses_three_receive_buffers():
-    from weightsync_core.bucketing import ReceiveBuffers
+    from weightsync_core.data.bucketing import ReceiveBuffers
 
     buffers = ReceiveBuffers(lambda: torch.zeros(16, dtype=torch.uint8))
     held = None
@@ -228,7 +229,7 @@ def test_relays_widen_the_fan_out_and_deliver_bit_exact():
 
 
 def test_group_init_fails_fast_naming_the_ranks_that_never_arrived():
-    from weightsync_core.errors import GroupInitTimeoutError
+    from weightsync_core.api.errors import GroupInitTimeoutError
 
     engines = [GlooCheckpointEngine(BUCKET, host="127.0.0.1", group_init_timeout=2)
                for _ in range(3)]

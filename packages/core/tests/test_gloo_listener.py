@@ -16,10 +16,10 @@ import torch
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import BroadcastOptions, PrefixStore
 
-from weightsync_core import process_group
-from weightsync_core.errors import GroupInitTimeoutError
-from weightsync_core.gloo_listener import MAX_STRAY_CONNECTIONS
-from weightsync_core.process_group import new_gloo_group, reserve_port
+from weightsync_core.api.errors import GroupInitTimeoutError
+from weightsync_core.net import process_group
+from weightsync_core.net.gloo_listener import MAX_STRAY_CONNECTIONS
+from weightsync_core.net.process_group import new_gloo_group, reserve_port
 from weightsync_core.testing.churn import build_churner
 
 HOST = "127.0.0.1"

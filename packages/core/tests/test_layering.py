@@ -103,25 +103,42 @@ def test_the_check_sees_every_form_of_import():
     assert flagged == {1, 2, 3, 4, 8}
 
 
-# -- core's three layers ------------------------------------------------------------------
+# -- core's three layers, as folders -------------------------------------------------------
 
-ORCHESTRATION = {"manager", "stages", "blame", "ray_group", "deployment", "local_ray",
-                 "delta_ledger"}
-"""Layer 2, orchestration on Ray (modules of ``weightsync_core``)."""
+FOLDERS = ("api", "net", "data", "engines", "worker", "orchestration", "tools")
+"""weightsync_core's folders from the bottom up. Layer 1, the engine layer (no Ray): ``api``
+(the interface, config, options, registry), ``net``, ``data``, ``engines``, ``worker``;
+layer 2: ``orchestration`` (on Ray); layer 3: the tools. A module imports only from its own
+folder and those below it; only the orchestration folder and the tools import Ray."""
 
-TOOLS = {"plan", "bench", "cli", "testing"}
-"""Layer 3, tools (and the test support, which drives everything below it)."""
+TOOLS = {"plan", "bench", "testing", "cli"}
+"""The tools' modules and packages at the top of ``weightsync_core``."""
 
+PLACED = {"spi": "engines", "verl_compat": "engines", "_old_paths": "api"}
+"""Public modules at the top of ``weightsync_core`` and the folder they rank with: the
+backend surface and verl's compatibility layer re-export the engine layer."""
 
 FACE = "weightsync_core"
 """The package itself: it exports names of every layer, those above the engines lazily (its
 import is checked to need no Ray below)."""
 
+ENGINE_LAYER = FOLDERS.index("worker")
+"""The highest folder of layer 1."""
 
-def _layer(module: str) -> int:
-    """1 (engines), 2 (orchestration) or 3 (tools) for a ``weightsync_core`` module."""
-    top = module.split(".")[1] if "." in module else ""
-    return 3 if top in TOOLS else 2 if top in ORCHESTRATION else 1
+
+def _folder(module: str) -> int:
+    """The index in :data:`FOLDERS` of a ``weightsync_core`` module's folder.
+
+    Raises:
+        AssertionError: a module at the top of the package that is not placed (a new module
+            goes into the folder of its layer, or into :data:`PLACED` with its reason).
+    """
+    top = module.split(".")[1]
+    folder = "tools" if top in TOOLS else PLACED.get(top, top)
+    assert folder in FOLDERS, (
+        f"{module} is in no layer's folder: move it into one of {FOLDERS[:-1]} (or make it "
+        "a tool), or place it in PLACED with the reason")
+    return FOLDERS.index(folder)
 
 
 def _core_modules() -> dict[str, Path]:
@@ -134,31 +151,52 @@ def _layer_violations() -> list[str]:
     for module, path in sorted(_core_modules().items()):
         if module == FACE:
             continue
-        layer = _layer(module)
+        folder = _folder(module)
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in _imported(tree, module, path.name == "__init__.py"):
-            if layer == 1 and (name == "ray" or name.startswith("ray.")):
-                violations.append(f"{path}:{line} (engine layer) imports {name}")
-            elif name.startswith("weightsync_core.") and _layer(name) > layer:
+            if folder <= ENGINE_LAYER and (name == "ray" or name.startswith("ray.")):
                 violations.append(
-                    f"{path}:{line} (layer {layer}) imports {name} (layer {_layer(name)})")
+                    f"{path}:{line} ({FOLDERS[folder]}, engine layer) imports {name}")
+            elif name.startswith(FACE + ".") and _folder(name) > folder:
+                violations.append(f"{path}:{line} ({FOLDERS[folder]}) imports {name} "
+                                  f"({FOLDERS[_folder(name)]}, above it)")
     return sorted(set(violations))
 
 
-def test_each_layer_imports_only_the_layers_below_it_and_the_engine_layer_no_ray():
+def test_each_folder_imports_only_the_folders_below_it_and_the_engine_layer_no_ray():
     violations = _layer_violations()
     assert not violations, (
-        "weightsync_core's layers (engines, no Ray; orchestration on Ray: "
-        f"{sorted(ORCHESTRATION)}; tools: {sorted(TOOLS)}) import upwards:\n"
-        + "\n".join(violations)
+        f"weightsync_core's folders, bottom up {FOLDERS} (layer 1, no Ray: up to "
+        f"{FOLDERS[ENGINE_LAYER]}), import upwards (type-only and function-level imports "
+        "count):\n" + "\n".join(violations)
     )
 
 
+def test_the_top_of_the_package_holds_only_public_modules_and_folders():
+    root = Path(weightsync_core.__file__).resolve().parent
+    modules = {path.stem for path in root.glob("*.py")} - {"__init__"}
+    assert modules <= TOOLS | set(PLACED), sorted(modules - TOOLS - set(PLACED))
+    folders = {path.name for path in root.iterdir()
+               if path.is_dir() and (path / "__init__.py").is_file()}
+    assert folders == set(FOLDERS[:-1]) | (TOOLS - {"cli"}), sorted(folders)
+
+
+def test_the_layer_check_sees_an_import_from_a_folder_above(tmp_path, monkeypatch):
+    fake = {**_core_modules(), "weightsync_core.net.wire": tmp_path / "wire.py"}
+    (tmp_path / "wire.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from weightsync_core.data.bucketing import WeightsSource\n")
+    monkeypatch.setattr(f"{__name__}._core_modules", lambda: fake)
+    assert any("wire.py:3 (net) imports weightsync_core.data.bucketing (data, above it)" in v
+               for v in _layer_violations())
+
+
 def test_the_layer_check_sees_an_engine_module_importing_ray(tmp_path, monkeypatch):
-    fake = {**_core_modules(), "weightsync_core.wire": tmp_path / "wire.py"}
+    fake = {**_core_modules(), "weightsync_core.net.wire": tmp_path / "wire.py"}
     (tmp_path / "wire.py").write_text("def f():\n    import ray.util\n")
     monkeypatch.setattr(f"{__name__}._core_modules", lambda: fake)
-    assert any("wire.py:2 (engine layer) imports ray.util" in v for v in _layer_violations())
+    assert any("wire.py:2 (net, engine layer) imports ray.util" in v for v in _layer_violations())
 
 
 _WITHOUT_RAY = """
@@ -268,7 +306,7 @@ def test_the_circle_check_finds_a_type_only_circle(tmp_path):
 
 CORE_PUBLIC = ("weightsync_core", "weightsync_core.spi", "weightsync_core.verl_compat",
                "weightsync_core.cli", "weightsync_core.plan", "weightsync_core.bench",
-               "weightsync_core.testing", "weightsync_core.shards")
+               "weightsync_core.testing", "weightsync_core.data.shards")
 """The modules of core other packages import (and the modules inside the packages)."""
 
 
@@ -319,11 +357,11 @@ def test_packages_import_only_each_others_public_api():
 
 def test_the_public_api_check_sees_internal_and_underscore_imports(tmp_path):
     (tmp_path / "weightsync_demo.py").write_text(
-        "from weightsync_core.registry import BackendState\n"
+        "from weightsync_core.api.registry import BackendState\n"
         "from weightsync_core import _ORCHESTRATION\n"
         "from weightsync_core.bench.measure import median_seconds\n"
         "import weightsync_core.spi\n")
     found = _foreign_import_violations([tmp_path])
     assert [v.split(":", 1)[1] for v in found] == [
-        "1 imports core's internal module weightsync_core.registry",
+        "1 imports core's internal module weightsync_core.api.registry",
         "2 imports an underscore name of weightsync_core"]

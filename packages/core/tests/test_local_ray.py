@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync_core.local_ray import CONNECT_SECONDS
+from weightsync_core.orchestration.local_ray import CONNECT_SECONDS
 from weightsync_core.testing import user_ray_cluster
 
 BIN = Path(sys.executable).parent

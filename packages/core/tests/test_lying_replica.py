@@ -7,8 +7,8 @@ import pytest
 import ray
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager, SyncStageError
+from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.engines import RingCheckpointEngine
-from weightsync_core.registry import CheckpointEngineRegistry
 from weightsync_core.testing import SyncHarness
 from weightsync_core.verl_compat import CheckpointEngine as VerlCheckpointEngine
 

@@ -15,7 +15,7 @@ from weightsync_core import (
     SyncStageError,
     run_sync,
 )
-from weightsync_core import manager as manager_module
+from weightsync_core.orchestration import manager as manager_module
 
 
 def test_missing_backend_fails_at_construction_with_install_hint():

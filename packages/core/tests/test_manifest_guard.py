@@ -6,10 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from weightsync_core.base import SyncProgress
-from weightsync_core.errors import ManifestChangedError, WeightSyncError
-from weightsync_core.verification import ManifestGuard
-from weightsync_core.worker import _deliver
+from weightsync_core.api.engine import SyncProgress
+from weightsync_core.api.errors import ManifestChangedError, WeightSyncError
+from weightsync_core.data.verification import ManifestGuard
+from weightsync_core.worker.owners import _deliver
 
 
 async def _stream(names):

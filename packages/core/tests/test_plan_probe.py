@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from weightsync_core.local_ray import CONNECT_SECONDS
+from weightsync_core.orchestration.local_ray import CONNECT_SECONDS
 from weightsync_core.plan.probe import ProbeReceiver, ProbeSender, measure_link
 
 

@@ -98,7 +98,7 @@ def test_the_driver_allowlist_travels_with_the_config_and_no_file_can_set_it(mon
     import pickle
 
     from weightsync_core import convert
-    from weightsync_core.conversion import ConversionError
+    from weightsync_core.api.conversion import ConversionError
 
     monkeypatch.setenv("WEIGHTSYNC_TRUSTED_MODULES", "my_company, other_corp.plugins")
     config = CheckpointEngineConfig(backend="gloo")
@@ -136,7 +136,7 @@ def test_an_allowlist_set_after_the_config_was_built_binds_the_processes_it_is_s
     config Ray pickled after it was set."""
     import pickle
 
-    from weightsync_core.worker import build_engine
+    from weightsync_core.worker.owners import build_engine
 
     monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES", raising=False)
     config = CheckpointEngineConfig(backend="acme_gloo", custom_backend_module="acme_weightsync",
@@ -156,7 +156,7 @@ def test_an_allowlist_set_after_the_config_was_built_binds_the_processes_it_is_s
 
 def test_the_lists_in_force_where_a_config_was_built_and_where_it_was_sent_both_apply(
         monkeypatch, external_plugins_on_path):
-    from weightsync_core.plugins import allowed_by_both
+    from weightsync_core.api.plugins import allowed_by_both
 
     assert allowed_by_both(("acme", "my_company.plugins"), ("acme.gloo", "my_company")) == (
         "acme.gloo", "my_company.plugins")

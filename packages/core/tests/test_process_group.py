@@ -5,15 +5,15 @@ import time
 
 import pytest
 
-from weightsync_core.errors import GroupInitTimeoutError
-from weightsync_core.process_group import (
-    check_bind_host,
+from weightsync_core.api.errors import GroupInitTimeoutError
+from weightsync_core.api.hosts import check_bind_host
+from weightsync_core.api.session_key import new_session_key
+from weightsync_core.net.process_group import (
     create_store,
     listen_on_free_port,
     rendezvous,
     reserve_port,
 )
-from weightsync_core.wire import new_session_key
 
 NOT_HERE = "192.0.2.1"
 """An address no machine holds (TEST-NET-1, reserved for documentation by RFC 5737)."""

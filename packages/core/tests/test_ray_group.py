@@ -2,7 +2,7 @@
 
 import pytest
 
-from weightsync_core.ray_group import split_per_rank
+from weightsync_core.orchestration.ray_group import split_per_rank
 
 
 def test_each_rank_gets_its_own_value_of_every_argument():

@@ -13,15 +13,15 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weightsync_core.process_group import create_store, listen_on_free_port
-from weightsync_core.sealed_store import (
+from weightsync_core.api.session_key import new_session_key
+from weightsync_core.net.process_group import create_store, listen_on_free_port
+from weightsync_core.net.sealed_store import (
     MAX_CONNECTIONS,
     MAX_FRAME_BYTES,
     REQUEST_SECONDS,
     SealedStore,
     SealedStoreServer,
 )
-from weightsync_core.wire import new_session_key
 
 
 @pytest.fixture

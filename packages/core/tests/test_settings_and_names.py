@@ -14,7 +14,7 @@ import ray
 import ray.exceptions
 
 from weightsync_core import CheckpointEngineConfig, RayRolloutReplica, SyncStageError
-from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.testing import SyncHarness
 from weightsync_core.testing.actors import RecordingRolloutWorker
 
@@ -57,7 +57,7 @@ def _lifecycle(harness: SyncHarness, replica) -> list[list[str]]:
 
 
 def test_travel_settings_fill_in_defaults_and_leave_the_bucket_to_engines_that_pack_buckets():
-    from weightsync_core.config import TRAVEL_OPTIONS
+    from weightsync_core.api.config import TRAVEL_OPTIONS
 
     gloo = CheckpointEngineRegistry.get("gloo")
     sharded = CheckpointEngineRegistry.get("gloo_sharded")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from weightsync_core.shards import (
+from weightsync_core.data.shards import (
     Box,
     DecoderShape,
     Layout,

@@ -9,23 +9,23 @@ import traceback
 
 import torch
 
-from weightsync_core.errors import TransferError, VerificationError
-from weightsync_core.process_group import (
-    create_store,
-    listen_on_free_port,
-    new_gloo_group,
-    rendezvous,
-)
-from weightsync_core.shards import (
+from weightsync_core.api.checksums import host_checksum
+from weightsync_core.api.errors import TransferError, VerificationError
+from weightsync_core.data.shards import (
     Layout,
     PlanExchange,
     TransferPlan,
     decoder_tensor_parallel_layout,
     fsdp_layout,
 )
+from weightsync_core.net.process_group import (
+    create_store,
+    listen_on_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.net.wire import MessageSealer
 from weightsync_core.testing.weights import DECODER, make_weights
-from weightsync_core.verification import host_checksum
-from weightsync_core.wire import MessageSealer
 
 # the test weights' small Qwen2: a vocabulary of 100 rows, norms of 33 rows (17 and 16 on the
 # two FSDP ranks)

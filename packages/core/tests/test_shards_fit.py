@@ -7,10 +7,8 @@ import re
 
 import pytest
 
-from weightsync_core.blame import metadata_culprit
-from weightsync_core.engines.sharded_gloo import ShardedGlooCheckpointEngine
-from weightsync_core.errors import MetadataError
-from weightsync_core.shards import (
+from weightsync_core.api.errors import MetadataError
+from weightsync_core.data.shards import (
     Box,
     DecoderShape,
     Layout,
@@ -26,6 +24,8 @@ from weightsync_core.shards import (
     tensor_parallel_spec,
     weights_spec,
 )
+from weightsync_core.engines.sharded_gloo import ShardedGlooCheckpointEngine
+from weightsync_core.orchestration.blame import metadata_culprit
 from weightsync_core.testing.weights import DECODER, make_weights
 
 # the test weights' small Qwen2: 4 query heads of 8, 2 KV heads, MLP 48, hidden 32, a

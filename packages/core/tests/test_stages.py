@@ -7,8 +7,8 @@ import pytest
 import ray.exceptions
 
 from weightsync_core import SyncStageError, SyncTimeoutError
-from weightsync_core import stages as stages_module
-from weightsync_core.stages import SyncStages
+from weightsync_core.orchestration import stages as stages_module
+from weightsync_core.orchestration.stages import SyncStages
 
 
 async def _value(value, delay=0.0):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from weightsync_core import sync_layout
-from weightsync_core.sync_layout import SyncLayout
+from weightsync_core.data import sync_layout
+from weightsync_core.data.sync_layout import SyncLayout
 
 
 def test_sizes_and_replicas_are_derived():

@@ -2,8 +2,8 @@
 
 import pytest
 
+from weightsync_core.data.topology import BroadcastGroup, broadcast_topology, plan_broadcast_groups
 from weightsync_core.engines import GlooCheckpointEngine
-from weightsync_core.topology import BroadcastGroup, broadcast_topology, plan_broadcast_groups
 
 
 def meta(host, member, port=1000, group=None, senders=1):
@@ -84,7 +84,7 @@ def test_engine_options_are_validated(kwargs, message):
 
 
 def test_ring_topology_chains_actor_rank_0_through_every_rollout_worker():
-    from weightsync_core.topology import ring_topology
+    from weightsync_core.data.topology import ring_topology
 
     metadata = [{"endpoint": f"tcp://h:{i}"} for i in range(2 + 3)]
     actors, rollout = ring_topology(2, 3, metadata)
@@ -100,7 +100,7 @@ def test_ring_topology_chains_actor_rank_0_through_every_rollout_worker():
 def test_ring_topology_needs_both_sides():
     import pytest
 
-    from weightsync_core.topology import ring_topology
+    from weightsync_core.data.topology import ring_topology
 
     with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
         ring_topology(1, 0, [{"endpoint": "tcp://h:1"}])
@@ -115,7 +115,7 @@ def test_ring_topology_needs_both_sides():
     (meta("", "r1"), 3, "whose 'host' is '', not a non-empty string"),
 ])
 def test_broadcast_metadata_that_lies_is_refused_naming_the_process(lie, index, problem):
-    from weightsync_core.errors import MetadataError
+    from weightsync_core.api.errors import MetadataError
 
     metadata = [meta("a", "s0"), meta("a", "s1"), meta("b", "r0"), meta("c", "r1")]
     metadata[index] = lie
@@ -127,8 +127,8 @@ def test_broadcast_metadata_that_lies_is_refused_naming_the_process(lie, index, 
 
 
 def test_a_ring_worker_without_its_endpoint_is_refused_naming_it():
-    from weightsync_core.errors import MetadataError
-    from weightsync_core.topology import ring_topology
+    from weightsync_core.api.errors import MetadataError
+    from weightsync_core.data.topology import ring_topology
 
     metadata = [{"endpoint": "tcp://h:0"}, {"endpoint": "tcp://h:1"}, {"peer": "x"}]
     with pytest.raises(MetadataError, match=r"^rollout rank 1 returned metadata without "

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from weightsync_core.bucketing import BucketMeta, TensorMeta
-from weightsync_core.errors import VerificationError
-from weightsync_core.verification import DeliveryVerifier, host_checksum
+from weightsync_core.api.checksums import host_checksum
+from weightsync_core.api.errors import VerificationError
+from weightsync_core.data.bucketing import BucketMeta, TensorMeta
+from weightsync_core.data.verification import DeliveryVerifier
 
 
 def bucket(names):
@@ -50,7 +51,7 @@ def test_incomplete_chunked_tensor_is_reported():
 
 @pytest.mark.parametrize("size", [0, 1, 7, 4096, 4099])
 def test_device_checksum_detects_any_single_bit_flip(size):
-    from weightsync_core.verification import device_checksum
+    from weightsync_core.api.checksums import device_checksum
 
     data = torch.randint(0, 256, (size,), dtype=torch.uint8)
     reference = device_checksum(data)

@@ -60,7 +60,7 @@ def test_merge_refuses_chunks_out_of_order_or_a_stream_that_stops_inside_a_tenso
 
 def test_engines_take_verls_constructor_and_engine_kwargs():
     from weightsync_core import CheckpointEngineRegistry
-    from weightsync_core.topology import EVERY_LOCAL_ACTOR_RANK
+    from weightsync_core.data.topology import EVERY_LOCAL_ACTOR_RANK
 
     engine = CheckpointEngineRegistry.new(
         "gloo", bucket_size=1 << 20, is_master=True, multi_sender=True, rebuild_group=True,
@@ -116,7 +116,7 @@ def test_a_verl_engine_under_a_free_name_keeps_it_and_gets_the_verl_name(restore
 def test_a_verl_engine_is_built_with_a_dtype_and_the_syncs_timeout(restored_registry):
     from weightsync_core import CheckpointEngineConfig
     from weightsync_core.verl_compat import CheckpointEngine
-    from weightsync_core.worker import build_engine
+    from weightsync_core.worker.owners import build_engine
 
     @restored_registry.register("verl_dtype_taker")
     class TakesDtype(CheckpointEngine):  # as verl's Mooncake engine, which uses .to(dtype)

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker, WeightSyncError
-from weightsync_core.shards import fsdp_spec
+from weightsync_core.data.shards import fsdp_spec
 
 
 class _PartialServer:

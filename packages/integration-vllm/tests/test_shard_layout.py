@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from weightsync_core import VerificationError
-from weightsync_core.shards import Box, resolve_layout
+from weightsync_core.data.shards import Box, resolve_layout
 from weightsync_vllm.shard_layout import tensor_parallel_layout_spec, whole_tensor
 
 CONFIG = transformers.Qwen2Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,

@@ -1,4 +1,4 @@
-"""Mooncake Transfer Engine as a :class:`~weightsync_core.transport.PeerTransport`.
+"""Mooncake Transfer Engine as a :class:`~weightsync_core.net.transport.PeerTransport`.
 
 Peers find each other without a metadata server (``P2PHANDSHAKE``): a peer's address is its
 session id ``host:rpc_port``, and the engine fetches the peer's segment description on first

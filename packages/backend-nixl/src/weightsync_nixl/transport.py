@@ -1,4 +1,4 @@
-"""NIXL as a :class:`~weightsync_core.transport.PeerTransport`: one agent per process."""
+"""NIXL as a :class:`~weightsync_core.net.transport.PeerTransport`: one agent per process."""
 
 from __future__ import annotations
 

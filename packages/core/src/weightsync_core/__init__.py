@@ -26,22 +26,16 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from weightsync_core.base import (
+from weightsync_core import _old_paths
+from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.api.conversion import ConversionError, convert
+from weightsync_core.api.engine import (
     CheckpointEngine,
     CheckpointEngineWithCache,
     SyncProgress,
     TransferStats,
 )
-from weightsync_core.bucketing import (
-    BucketMeta,
-    BucketPacker,
-    BucketUnpacker,
-    TensorMeta,
-    WeightsSource,
-)
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.conversion import ConversionError, convert
-from weightsync_core.errors import (
+from weightsync_core.api.errors import (
     BackendLoadError,
     BackendNotFoundError,
     BackendNotInstalledError,
@@ -60,30 +54,47 @@ from weightsync_core.errors import (
     VerificationError,
     WeightSyncError,
 )
-from weightsync_core.plugins import load_class, load_custom_backend_module
-from weightsync_core.protocols import CheckpointEngineWorkerGroup, RolloutReplica, ServerAdapter
-from weightsync_core.registry import BackendInfo, BackendState, CheckpointEngineRegistry
-from weightsync_core.wire import new_session_key
-from weightsync_core.worker import (
+from weightsync_core.api.plugins import load_class, load_custom_backend_module
+from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica, ServerAdapter
+from weightsync_core.api.registry import BackendInfo, BackendState, CheckpointEngineRegistry
+from weightsync_core.api.session_key import new_session_key
+from weightsync_core.data.bucketing import (
+    BucketMeta,
+    BucketPacker,
+    BucketUnpacker,
+    TensorMeta,
+    WeightsSource,
+)
+from weightsync_core.worker.owners import (
     ActorCheckpointEngineMixin,
     CheckpointEngineWorker,
     build_engine,
     close_engine,
 )
 
+_old_paths.install()
+
 if TYPE_CHECKING:
-    from weightsync_core.local_ray import ensure_ray
-    from weightsync_core.manager import CheckpointEngineManager, awaitable_or_blocking, run_sync
-    from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup, split_per_rank
+    from weightsync_core.orchestration.local_ray import ensure_ray
+    from weightsync_core.orchestration.manager import (
+        CheckpointEngineManager,
+        awaitable_or_blocking,
+        run_sync,
+    )
+    from weightsync_core.orchestration.ray_group import (
+        RayRolloutReplica,
+        RayWorkerGroup,
+        split_per_rank,
+    )
 
 _ORCHESTRATION = {
-    "CheckpointEngineManager": "weightsync_core.manager",
-    "awaitable_or_blocking": "weightsync_core.manager",
-    "ensure_ray": "weightsync_core.local_ray",
-    "run_sync": "weightsync_core.manager",
-    "RayRolloutReplica": "weightsync_core.ray_group",
-    "RayWorkerGroup": "weightsync_core.ray_group",
-    "split_per_rank": "weightsync_core.ray_group",
+    "CheckpointEngineManager": "weightsync_core.orchestration.manager",
+    "awaitable_or_blocking": "weightsync_core.orchestration.manager",
+    "ensure_ray": "weightsync_core.orchestration.local_ray",
+    "run_sync": "weightsync_core.orchestration.manager",
+    "RayRolloutReplica": "weightsync_core.orchestration.ray_group",
+    "RayWorkerGroup": "weightsync_core.orchestration.ray_group",
+    "split_per_rank": "weightsync_core.orchestration.ray_group",
 }
 """Layer-2 names exported here, imported (with Ray) on first use."""
 
@@ -108,7 +119,7 @@ def load_checkpoint_manager_class(qualified_name: str | None) -> type[Checkpoint
     """The ``checkpoint_manager_class`` hook: load a :class:`CheckpointEngineManager` subclass
     by fully-qualified name (same safety policy as ``custom_backend_module``); ``None`` gives
     the default manager."""
-    from weightsync_core.manager import CheckpointEngineManager
+    from weightsync_core.orchestration.manager import CheckpointEngineManager
 
     if qualified_name is None:
         return CheckpointEngineManager

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.api.registry import CheckpointEngineRegistry
 
 if TYPE_CHECKING:
     from weightsync_core.plan import Link
@@ -38,8 +38,9 @@ def _backends(args: argparse.Namespace) -> int:
 def _connect(command: str, address: str | None) -> bool:
     """Ray for ``command``: the cluster at ``address`` (default: ``RAY_ADDRESS``), else a
     private local instance; ``False``, after a one-line error, if that cluster cannot be
-    reached (within :data:`~weightsync_core.local_ray.CONNECT_SECONDS` for ``HOST:PORT``)."""
-    from weightsync_core.local_ray import ensure_ray
+    reached (within :data:`~weightsync_core.orchestration.local_ray.CONNECT_SECONDS` for
+    ``HOST:PORT``)."""
+    from weightsync_core.orchestration.local_ray import ensure_ray
 
     try:
         ensure_ray(address=address)
@@ -134,7 +135,7 @@ def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
     intra = Link(args.intra_gbyte * 1e9, args.intra_latency_us * 1e-6)
     if not args.measure:
         return nic, intra
-    from weightsync_core.local_ray import ensure_ray
+    from weightsync_core.orchestration.local_ray import ensure_ray
     from weightsync_core.plan.probe import measure_cluster_links
 
     ensure_ray(address=args.address)

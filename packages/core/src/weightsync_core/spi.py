@@ -22,41 +22,14 @@ notice; ``tests/test_backend_surface.py`` checks that every first-party backend 
 nothing else.
 """
 
-from weightsync_core.base import (
+from weightsync_core.api.checksums import bucket_checksum, device_checksum
+from weightsync_core.api.engine import (
     CheckpointEngine,
     CheckpointEngineWithCache,
     SyncProgress,
     TransferStats,
 )
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import (
-    BucketMeta,
-    BucketPacker,
-    BucketUnpacker,
-    ReceiveBuffers,
-    WeightsSource,
-    copy_bytes,
-    iter_named_tensors,
-)
-from weightsync_core.channel import ControlChannel, PeerEndpoints
-from weightsync_core.delta import (
-    DeltaBaselineError,
-    DeltaPlan,
-    DeltaReceiver,
-    DeltaSender,
-    SpreadDeltaSender,
-)
-from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
-from weightsync_core.engines import (
-    CollectiveBroadcastCheckpointEngine,
-    CollectiveBroadcastOptions,
-    RingCheckpointEngine,
-    RingOptions,
-    ShardedTransportEngine,
-    ShardedTransportOptions,
-)
-from weightsync_core.engines.broadcast import Collective
-from weightsync_core.errors import (
+from weightsync_core.api.errors import (
     BackendLoadError,
     BackendNotInstalledError,
     EmptyWeightsError,
@@ -67,23 +40,41 @@ from weightsync_core.errors import (
     VerificationError,
     WeightSyncError,
 )
-from weightsync_core.options import EngineOptions
-from weightsync_core.process_group import (
-    RendezvousStore,
-    check_bind_host,
-    create_store,
-    default_host,
-    rendezvous,
+from weightsync_core.api.hosts import check_bind_host, default_host
+from weightsync_core.api.options import EngineOptions
+from weightsync_core.api.registry import CheckpointEngineRegistry
+from weightsync_core.data.bucketing import (
+    BucketMeta,
+    BucketPacker,
+    BucketUnpacker,
+    ReceiveBuffers,
+    WeightsSource,
+    copy_bytes,
+    iter_named_tensors,
 )
-from weightsync_core.registry import CheckpointEngineRegistry
-from weightsync_core.transport import PeerTransport, RemoteBuffer, describe_buffer
-from weightsync_core.verification import (
-    DeliveryVerifier,
-    ManifestEntry,
-    bucket_checksum,
-    device_checksum,
+from weightsync_core.data.delta import (
+    DeltaBaselineError,
+    DeltaPlan,
+    DeltaReceiver,
+    DeltaSender,
+    SpreadDeltaSender,
 )
-from weightsync_core.wire import MessageSealer
+from weightsync_core.data.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.data.verification import DeliveryVerifier, ManifestEntry
+from weightsync_core.engines import (
+    CollectiveBroadcastCheckpointEngine,
+    CollectiveBroadcastOptions,
+    RingCheckpointEngine,
+    RingOptions,
+    ShardedTransportEngine,
+    ShardedTransportOptions,
+)
+from weightsync_core.engines.broadcast import Collective
+from weightsync_core.net.blocking import run_blocking
+from weightsync_core.net.channel import ControlChannel, PeerEndpoints
+from weightsync_core.net.process_group import RendezvousStore, create_store, rendezvous
+from weightsync_core.net.transport import PeerTransport, RemoteBuffer, describe_buffer
+from weightsync_core.net.wire import MessageSealer
 
 __all__ = [
     "BackendLoadError",

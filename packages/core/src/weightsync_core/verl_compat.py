@@ -20,9 +20,9 @@ from typing import TypeVar
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, CheckpointEngineWithCache
-from weightsync_core.bucketing import WeightsSource, iter_named_tensors
-from weightsync_core.registry import CheckpointEngineRegistry as WeightsyncRegistry
+from weightsync_core.api.engine import CheckpointEngine, CheckpointEngineWithCache
+from weightsync_core.api.registry import CheckpointEngineRegistry as WeightsyncRegistry
+from weightsync_core.data.bucketing import WeightsSource, iter_named_tensors
 
 __all__ = [
     "VERL_NAME_PREFIX",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from weightsync_core import VerificationError
-from weightsync_core.shards import (
+from weightsync_core.data.shards import (
     Box,
     DecoderShape,
     LayoutSpec,
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 SHARDED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 """Models whose tensor-parallel split core's
-:func:`~weightsync_core.shards.decoder_tensor_parallel_layout` follows; workers of other
+:func:`~weightsync_core.data.shards.decoder_tensor_parallel_layout` follows; workers of other
 models receive every tensor whole."""
 
 

@@ -31,7 +31,7 @@ class VLLMWorkerRank:
 
 class VLLMWorkerGroup:
     """The rollout side of a sync over :class:`VLLMWorkerRank` ranks (a
-    :class:`~weightsync_core.protocols.CheckpointEngineWorkerGroup`): one call per actor
+    :class:`~weightsync_core.api.protocols.CheckpointEngineWorkerGroup`): one call per actor
     serves all its ranks, and returns one Ray ``ObjectRef`` per rank.
 
     Args:

@@ -29,7 +29,7 @@ from weightsync_core import (
     CheckpointEngineWorker,
     WeightSyncError,
 )
-from weightsync_core.shards import Layout, LayoutSpec, resolve_layout
+from weightsync_core.data.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread
 from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of

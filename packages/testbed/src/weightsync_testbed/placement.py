@@ -51,7 +51,8 @@ class SpreadPlacement:
     """Every process on a host of its own: actor rank ``r`` on ``actors[r]``, worker ``w`` of
     the ``i``-th replica started on ``workers[i * workers_per_replica + w]`` (GPU hosts with
     a NIC per GPU, each inference rank on its own NIC). Implements the deployment's
-    per-worker placement hook (:class:`weightsync_core.deployment.WorkerPlacement`)."""
+    per-worker placement hook
+    (:class:`weightsync_core.orchestration.deployment.WorkerPlacement`)."""
 
     actors: list[str]
     workers: list[str]

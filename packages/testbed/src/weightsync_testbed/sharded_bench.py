@@ -20,8 +20,8 @@ from typing import Any
 import ray
 
 from weightsync_core.bench.measure import bench_config, median_seconds, synthetic_deployment
+from weightsync_core.data.shards import fsdp_spec
 from weightsync_core.plan import Cluster, Prediction, Workload, measure_link, plan, sharded_plan
-from weightsync_core.shards import fsdp_spec
 from weightsync_testbed.bench import DEFAULT_ENGINE_KWARGS
 from weightsync_testbed.network import Link as ShapedLink
 from weightsync_testbed.placement import SpreadPlacement, on_host

@@ -25,8 +25,8 @@ import ray
 import torch
 
 from weightsync_core.bench.measure import bench_config, gbps, synthetic_deployment
-from weightsync_core.delta import encode_patch
-from weightsync_core.deployment import Placement
+from weightsync_core.data.delta import encode_patch
+from weightsync_core.orchestration.deployment import Placement
 
 __all__ = ["DEFAULT_LEARNING_RATE", "DeltaBenchResult", "EncodingRow", "SyncRow",
            "measure_encodings", "run_delta_benchmark"]

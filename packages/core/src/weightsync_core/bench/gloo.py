@@ -16,6 +16,8 @@ import ray
 import torch
 from torch.distributed.distributed_c10d import BroadcastOptions
 
+from weightsync_core.api.hosts import default_host
+from weightsync_core.api.session_key import new_session_key
 from weightsync_core.bench.measure import (
     Measurement,
     bench_config,
@@ -25,14 +27,12 @@ from weightsync_core.bench.measure import (
     sync_seconds,
     synthetic_deployment,
 )
-from weightsync_core.process_group import (
+from weightsync_core.net.process_group import (
     create_store,
-    default_host,
     listen_on_free_port,
     new_gloo_group,
     rendezvous,
 )
-from weightsync_core.wire import new_session_key
 
 __all__ = ["BenchmarkResult", "RawBroadcastPeer", "raw_broadcast_group", "raw_broadcasts",
            "run_gloo_benchmark"]

@@ -16,10 +16,10 @@ from typing import Any
 
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.deployment import Deployment, Placement
-from weightsync_core.local_ray import ensure_ray
-from weightsync_core.manager import CheckpointEngineManager
+from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.orchestration.deployment import Deployment, Placement
+from weightsync_core.orchestration.local_ray import ensure_ray
+from weightsync_core.orchestration.manager import CheckpointEngineManager
 
 __all__ = [
     "Measurement",
@@ -55,7 +55,8 @@ def synthetic_deployment(
     num_tensors: int,
     placement: Placement | None = None,
 ) -> Iterator[tuple[Deployment, int]]:
-    """A started :class:`~weightsync_core.deployment.Deployment` whose every actor rank holds
+    """A started :class:`~weightsync_core.orchestration.deployment.Deployment` whose every
+    actor rank holds
     ``num_tensors`` equal float32 tensors of about ``size_bytes`` in all; yields it with the
     bytes each rank holds, and shuts it down on leaving."""
     ensure_ray()

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 import torch
 
+from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.bench.measure import (
     Measurement,
     bench_config,
@@ -24,10 +25,9 @@ from weightsync_core.bench.measure import (
     sync_seconds,
     synthetic_deployment,
 )
-from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.engines.ring import RingCheckpointEngine
-from weightsync_core.transport import RemoteBuffer
-from weightsync_core.worker import build_engine
+from weightsync_core.net.transport import RemoteBuffer
+from weightsync_core.worker.owners import build_engine
 
 __all__ = ["RawTransferPeer", "RingBenchmarkResult", "raw_writes", "run_ring_benchmark"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.engines.broadcast import CollectiveBroadcastCheckpointEngine
-from weightsync_core.registry import CheckpointEngineRegistry
 
 __all__ = ["GlooCheckpointEngine"]
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
-from weightsync_core.errors import WeightSyncError
-from weightsync_core.registry import CheckpointEngineRegistry
+from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.registry import CheckpointEngineRegistry
+from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
 
 __all__ = ["ColocatedCheckpointEngine"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from weightsync_core.options import EngineOptions
+from weightsync_core.api.options import EngineOptions
 
 __all__ = ["CollectiveBroadcastOptions", "RingOptions"]
 

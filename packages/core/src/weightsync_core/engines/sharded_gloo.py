@@ -1,6 +1,6 @@
 """The ``gloo_sharded`` engine: sharded delivery over gloo point to point. Every rollout
 worker receives only the boxes its layout needs, from the actor ranks that hold them, every
-actor rank sending at once (see :mod:`weightsync_core.shards`)."""
+actor rank sending at once (see :mod:`weightsync_core.data.shards`)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,31 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
-from weightsync_core.config import MAX_BUCKET_MEGABYTES
-from weightsync_core.errors import EmptyWeightsError, WeightSyncError
-from weightsync_core.options import EngineOptions
-from weightsync_core.process_group import (
-    RendezvousStore,
-    create_store,
-    default_host,
-    listen_on_free_port,
-    new_gloo_group,
-    rendezvous,
-)
-from weightsync_core.registry import CheckpointEngineRegistry
-from weightsync_core.shards.exchange import PlanExchange, PlanSender, PointToPoint
-from weightsync_core.shards.layout import Layout
-from weightsync_core.shards.specs import (
+from weightsync_core.api.config import MAX_BUCKET_MEGABYTES
+from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.errors import EmptyWeightsError, WeightSyncError
+from weightsync_core.api.hosts import default_host
+from weightsync_core.api.options import EngineOptions
+from weightsync_core.api.registry import CheckpointEngineRegistry
+from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.data.shards.exchange import PlanExchange, PlanSender, PointToPoint
+from weightsync_core.data.shards.layout import Layout
+from weightsync_core.data.shards.specs import (
     LayoutSpec,
     parse_weights_spec,
     plan_layouts,
     resolve_layout,
 )
-from weightsync_core.shards.transfers import TransferPlan
-from weightsync_core.wire import MessageSealer
+from weightsync_core.data.shards.transfers import TransferPlan
+from weightsync_core.net.blocking import run_blocking
+from weightsync_core.net.process_group import (
+    RendezvousStore,
+    create_store,
+    listen_on_free_port,
+    new_gloo_group,
+    rendezvous,
+)
+from weightsync_core.net.wire import MessageSealer
 
 __all__ = ["MAX_CHUNK_MEGABYTES", "ShardedGlooCheckpointEngine", "ShardedGlooOptions"]
 
@@ -101,7 +101,7 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
     (:meth:`declare_layout`: what an actor rank holds, say its FSDP rows, and, on actor rank 0,
     every tensor's shape and dtype; what a rollout worker needs, say its tensor-parallel
     slices; nothing declared: every tensor whole). :meth:`build_topology` intersects them
-    into a :class:`~weightsync_core.shards.TransferPlan`; every process checks it holds the
+    into a :class:`~weightsync_core.data.shards.TransferPlan`; every process checks it holds the
     same plan, then every actor rank sends its pieces point to point while every worker
     receives exactly the boxes it declared, each piece checked against its sender's
     checksum; workers of different replicas that need the same slices relay them to each
@@ -122,9 +122,9 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
 
     def declare_layout(self, layout: LayoutSpec | None,
                        weights: Mapping[str, Any] | None = None) -> None:
-        """What this process holds or needs (a :data:`~weightsync_core.shards.LayoutSpec`;
+        """What this process holds or needs (a :data:`~weightsync_core.data.shards.LayoutSpec`;
         None: every tensor whole) and, on actor rank 0, every tensor's shape and dtype
-        (:func:`~weightsync_core.shards.weights_spec`) before the rollout cast."""
+        (:func:`~weightsync_core.data.shards.weights_spec`) before the rollout cast."""
         self.layout_spec = layout
         self.weights_spec = weights
 
@@ -152,7 +152,7 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """:meth:`build_topology`, every replica's workers together needing the whole model,
         workers named as the manager names them (see
-        :func:`~weightsync_core.shards.plan_layouts`)."""
+        :func:`~weightsync_core.data.shards.plan_layouts`)."""
         return cls._plan_topology(actor_wg_world_size, sum(replica_sizes), replica_sizes,
                                   metadata)
 

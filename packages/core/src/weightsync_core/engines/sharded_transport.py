@@ -2,7 +2,7 @@
 ``mooncake_sharded``. The plan, its agreement and the sealed checksums are
 ``gloo_sharded``'s; the pieces' bytes are written by every actor rank straight into the
 rollout workers' registered landing buffers through a backend's
-:class:`~weightsync_core.transport.PeerTransport`."""
+:class:`~weightsync_core.net.transport.PeerTransport`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from weightsync_core.devices import resolve_device
+from weightsync_core.data.devices import resolve_device
+from weightsync_core.data.shards.exchange import PlanExchange
+from weightsync_core.data.shards.one_sided import KnownReceivers, OneSidedCarrier, RegisteredBuffer
 from weightsync_core.engines.sharded_gloo import ShardedGlooCheckpointEngine, ShardedGlooOptions
-from weightsync_core.shards.exchange import PlanExchange
-from weightsync_core.shards.one_sided import KnownReceivers, OneSidedCarrier, RegisteredBuffer
-from weightsync_core.transport import PeerTransport
+from weightsync_core.net.transport import PeerTransport
 
 __all__ = ["ShardedTransportEngine", "ShardedTransportOptions"]
 
@@ -62,7 +62,7 @@ class ShardedTransportEngine(ShardedGlooCheckpointEngine):
     @abstractmethod
     def create_transport(self) -> PeerTransport:
         """Override point: this process's transport endpoint (called once, at the first
-        sync; a backend returns its :class:`~weightsync_core.transport.PeerTransport`)."""
+        sync; a backend returns its :class:`~weightsync_core.net.transport.PeerTransport`)."""
 
     @property
     def transport(self) -> PeerTransport:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from weightsync_core.sync_layout import SyncLayout
+from weightsync_core.data.sync_layout import SyncLayout
 
 __all__ = ["Cluster", "Link", "Workload"]
 
@@ -50,7 +50,7 @@ class Cluster:
     many cores (the testbed), so per-bucket CPU work stretches when more processes than cores
     are busy. ``None`` (a real cluster): each process has a core of its own.
 
-    Its :attr:`layout` (a :class:`~weightsync_core.sync_layout.SyncLayout`, as the manager
+    Its :attr:`layout` (a :class:`~weightsync_core.data.sync_layout.SyncLayout`, as the manager
     builds for a sync) holds the actor ranks, the replicas' workers and every process's
     host; the topologies read them from there.
     """

@@ -22,8 +22,8 @@ from typing import Any
 
 import ray
 
+from weightsync_core.api.hosts import default_host
 from weightsync_core.plan.layout import Link
-from weightsync_core.process_group import default_host
 
 __all__ = ["ProbeReceiver", "ProbeSender", "measure_cluster_links", "measure_link"]
 

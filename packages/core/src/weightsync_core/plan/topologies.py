@@ -12,7 +12,7 @@ per-bucket work. The stage that sets the period, or the pipeline fill when that 
 is the sync's bound.
 
 Who sends to whom, and where each process runs, come from the cluster's
-:class:`~weightsync_core.sync_layout.SyncLayout` (:attr:`Cluster.layout`).
+:class:`~weightsync_core.data.sync_layout.SyncLayout` (:attr:`Cluster.layout`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Subclass :class:`CheckpointEngineConformanceTests` (or
 :class:`ColocatedEngineConformanceTests`) in your backend's tests and set ``backend``.
 The suite needs pytest (``pip install "weightsync-core[testing]"``); the harness and test
 weights do not. Test support only: no production module imports this package (the benchmarks
-use :mod:`weightsync_core.deployment` and :mod:`weightsync_core.bench`).
+use :mod:`weightsync_core.orchestration.deployment` and :mod:`weightsync_core.bench`).
 """
 
 from typing import TYPE_CHECKING, Any

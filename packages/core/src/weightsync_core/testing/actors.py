@@ -15,9 +15,9 @@ from typing import Any, cast
 
 import torch
 
-from weightsync_core.bucketing import WeightsSource
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.shards.specs import LayoutSpec, resolve_layout
+from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.data.bucketing import WeightsSource
+from weightsync_core.data.shards.specs import LayoutSpec, resolve_layout
 from weightsync_core.testing.replay import tap_control_frames
 from weightsync_core.testing.resources import process_resources
 from weightsync_core.testing.weights import (
@@ -29,7 +29,7 @@ from weightsync_core.testing.weights import (
     make_weights,
     sparse_updates,
 )
-from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
+from weightsync_core.worker.owners import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
 __all__ = [
     "RecordingRolloutWorker",

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, ClassVar
 import pytest
 import ray
 
-from weightsync_core.errors import SyncStageError
+from weightsync_core.api.errors import SyncStageError
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
 from weightsync_core.testing.weights import ONE_ELEMENT, Faults
 
 if TYPE_CHECKING:
-    from weightsync_core.manager import CheckpointEngineManager
+    from weightsync_core.orchestration.manager import CheckpointEngineManager
 
 __all__ = ["DeltaSyncConformanceTests"]
 

@@ -1,6 +1,6 @@
 """A small Ray deployment of ``actor_wg`` ranks and rollout replicas for tests: a
-:class:`~weightsync_core.deployment.Deployment` whose processes record what they receive and
-take injected faults."""
+:class:`~weightsync_core.orchestration.deployment.Deployment` whose processes record what
+they receive and take injected faults."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig, parse_dtype
-from weightsync_core.deployment import Deployment, Placement
-from weightsync_core.local_ray import ensure_ray
-from weightsync_core.ray_group import RayRolloutReplica, RayWorkerGroup
+from weightsync_core.api.config import CheckpointEngineConfig, parse_dtype
+from weightsync_core.orchestration.deployment import Deployment, Placement
+from weightsync_core.orchestration.local_ray import ensure_ray
+from weightsync_core.orchestration.ray_group import RayRolloutReplica, RayWorkerGroup
 from weightsync_core.testing.actors import RecordingRolloutWorker, WeightSourceActor
 from weightsync_core.testing.weights import (
     Faults,
@@ -33,7 +33,7 @@ class SyncHarness(Deployment):
     rollout workers record a digest of every received tensor (:meth:`reports`; their
     ``set_faults`` makes them die, stall or go slow).
 
-    Its arguments are :class:`~weightsync_core.deployment.Deployment`'s.
+    Its arguments are :class:`~weightsync_core.orchestration.deployment.Deployment`'s.
 
     Starting a Ray process (Python, torch, the backend) is most of what a small test costs.
     :meth:`prestart` starts the processes that later :meth:`new_replica` and

@@ -17,17 +17,17 @@ from typing import Any, ClassVar
 import pytest
 import ray
 
-from weightsync_core.bucketing import cast_for_rollout
-from weightsync_core.config import parse_dtype
-from weightsync_core.errors import SyncStageError
-from weightsync_core.ray_group import RayRolloutReplica
-from weightsync_core.shards.specs import (
+from weightsync_core.api.config import parse_dtype
+from weightsync_core.api.errors import SyncStageError
+from weightsync_core.data.bucketing import cast_for_rollout
+from weightsync_core.data.shards.specs import (
     LayoutSpec,
     fsdp_spec,
     resolve_layout,
     tensor_parallel_spec,
 )
-from weightsync_core.shards.tensor_parallel import DecoderShape
+from weightsync_core.data.shards.tensor_parallel import DecoderShape
+from weightsync_core.orchestration.ray_group import RayRolloutReplica
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
 from weightsync_core.testing.weights import DECODER, Faults, TensorDigest, digest, make_weights

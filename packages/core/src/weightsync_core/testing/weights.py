@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from weightsync_core.bucketing import as_bytes, cast_for_rollout
-from weightsync_core.shards.tensor_parallel import DecoderShape
+from weightsync_core.data.bucketing import as_bytes, cast_for_rollout
+from weightsync_core.data.shards.tensor_parallel import DecoderShape
 
 __all__ = [
     "DECODER",

@@ -14,7 +14,7 @@ Modules: :mod:`.engine` (the engine), :mod:`.group` (port reservation, rendezvou
 Control messages (bucket metadata, the final manifest, aborts) always travel on a small gloo
 group over host memory. Each bucket is one message: a 2-integer header ``[meta_len,
 data_len]``, the metadata (a fixed schema sealed with the sync's session key, see
-:mod:`weightsync_core.wire`; receivers check the seal before decoding), then the bucket bytes
+:mod:`weightsync_core.net.wire`; receivers check the seal before decoding), then the bucket bytes
 on the data group. The sender fills bucket ``k+1`` while bucket ``k`` is on the wire;
 receivers post the receive of ``k+1`` before unpacking ``k``.
 

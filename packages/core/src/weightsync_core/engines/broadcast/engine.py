@@ -15,10 +15,16 @@ import torch
 from torch.distributed.distributed_c10d import Store
 
 import weightsync_core.engines.broadcast.protocol as protocol
-from weightsync_core import devices
-from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.blocking import retrieve_exception, run_blocking
-from weightsync_core.bucketing import (
+from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.errors import (
+    EmptyWeightsError,
+    SenderAbortedError,
+    TransferError,
+    WeightSyncError,
+)
+from weightsync_core.api.hosts import default_host
+from weightsync_core.data import devices
+from weightsync_core.data.bucketing import (
     BucketPacker,
     BucketUnpacker,
     PackedBucket,
@@ -26,6 +32,8 @@ from weightsync_core.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
+from weightsync_core.data.topology import EVERY_LOCAL_ACTOR_RANK, broadcast_topology
+from weightsync_core.data.verification import DeliveryVerifier
 from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective, GroupLifecycle
 from weightsync_core.engines.broadcast.protocol import (
     AbortMessage,
@@ -36,16 +44,8 @@ from weightsync_core.engines.broadcast.protocol import (
 )
 from weightsync_core.engines.broadcast.relay import BroadcastRelay
 from weightsync_core.engines.options import CollectiveBroadcastOptions
-from weightsync_core.errors import (
-    EmptyWeightsError,
-    SenderAbortedError,
-    TransferError,
-    WeightSyncError,
-)
-from weightsync_core.process_group import default_host
-from weightsync_core.topology import EVERY_LOCAL_ACTOR_RANK, broadcast_topology
-from weightsync_core.verification import DeliveryVerifier
-from weightsync_core.wire import MessageSealer
+from weightsync_core.net.blocking import retrieve_exception, run_blocking
+from weightsync_core.net.wire import MessageSealer
 
 __all__ = ["CollectiveBroadcastCheckpointEngine"]
 
@@ -56,7 +56,7 @@ _MAX_IN_FLIGHT = 4
 class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
     """Broadcast buckets from a sending actor rank to its rollout workers over one group.
 
-    Topology (see :mod:`weightsync_core.topology`): actor rank 0 is group rank 0 (the
+    Topology (see :mod:`weightsync_core.data.topology`): actor rank 0 is group rank 0 (the
     sender), rollout worker ``i`` is group rank ``i + 1``; other actor ranks get rank ``-1``
     and only drain their weight iterator. With ``senders > 1``, relay actor ranks on rank 0's
     host each lead a group of their own share of the rollout workers.
@@ -65,7 +65,7 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         bucket_size: bytes per bucket (two on a sender, up to three on a receiver).
         **kwargs: the options (:class:`~weightsync_core.engines.CollectiveBroadcastOptions`:
             ``host``, ``senders``, ``rebuild_group``, ...) and
-            :class:`~weightsync_core.base.CheckpointEngine`'s arguments.
+            :class:`~weightsync_core.api.engine.CheckpointEngine`'s arguments.
     """
 
     supports_delta: ClassVar[bool] = True

@@ -2,7 +2,7 @@
 builds the communicators, their reuse by a later sync with the same members, and teardown.
 
 The group's rendezvous store listens on the configured host only and answers only requests
-sealed under the sync's key (:mod:`weightsync_core.sealed_store`): a process outside the sync
+sealed under the sync's key (:mod:`weightsync_core.net.sealed_store`): a process outside the sync
 can neither list nor read the members' addresses, nor write a key or claim a rank, during
 the sync or while the group is kept for later ones.
 """
@@ -18,15 +18,15 @@ from typing import Any, Protocol, cast
 import torch
 from torch.distributed.distributed_c10d import BroadcastOptions, PrefixStore, Store, Work
 
-from weightsync_core.errors import WeightSyncError
-from weightsync_core.process_group import (
+from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.net.process_group import (
     RendezvousStore,
     create_store,
     listen_on_free_port,
     new_gloo_group,
     rendezvous,
 )
-from weightsync_core.wire import MessageSealer
+from weightsync_core.net.wire import MessageSealer
 
 __all__ = ["BroadcastGroup", "Collective", "GroupLifecycle", "NewDataGroup"]
 

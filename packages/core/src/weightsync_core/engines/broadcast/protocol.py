@@ -1,6 +1,6 @@
 """The broadcast engine's wire protocol. Each message is a 2-integer header ``[meta_len,
 data_len]`` and its metadata (a fixed schema sealed with the sync's session key, see
-:mod:`weightsync_core.wire`; receivers check the seal before decoding) on the gloo control
+:mod:`weightsync_core.net.wire`; receivers check the seal before decoding) on the gloo control
 group, then the bucket bytes, if any, on the data group."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BroadcastOptions
 
-from weightsync_core.bucketing import BucketMeta
-from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective
-from weightsync_core.errors import (
+from weightsync_core.api.errors import (
     MalformedMessageError,
     TransferError,
     UnauthenticatedMessageError,
 )
-from weightsync_core.verification import ManifestEntry
-from weightsync_core.wire import MessageCodec
+from weightsync_core.data.bucketing import BucketMeta
+from weightsync_core.data.verification import ManifestEntry
+from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective
+from weightsync_core.net.wire import MessageCodec
 
 __all__ = [
     "AbortMessage",

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import BucketMeta
+from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.data.bucketing import BucketMeta
+from weightsync_core.data.verification import Manifest
 from weightsync_core.engines.broadcast.group import BroadcastGroup
 from weightsync_core.engines.broadcast.protocol import (
     AbortMessage,
@@ -19,8 +20,7 @@ from weightsync_core.engines.broadcast.protocol import (
     FinalMessage,
     Posted,
 )
-from weightsync_core.errors import WeightSyncError
-from weightsync_core.verification import Manifest
+from weightsync_core.net.blocking import run_blocking
 
 __all__ = ["BroadcastRelay"]
 

@@ -12,27 +12,27 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync_core.base import CheckpointEngine, TransferStats
-from weightsync_core.bucketing import (
+from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.errors import (
+    EmptyWeightsError,
+    SenderAbortedError,
+    WeightSyncError,
+)
+from weightsync_core.data.bucketing import (
     BucketPacker,
     ReceiveBuffers,
     WeightsSource,
     iter_named_tensors,
 )
-from weightsync_core.channel import ControlChannel, PeerEndpoints
-from weightsync_core.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.data.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.data.topology import ring_topology
 from weightsync_core.engines.options import RingOptions
 from weightsync_core.engines.ring.messages import Abort, Final, RingMessage
 from weightsync_core.engines.ring.receive import RingReceiver
 from weightsync_core.engines.ring.session import Placement, RingLink, RingSession
 from weightsync_core.engines.ring.slots import RegisteredSlots
-from weightsync_core.errors import (
-    EmptyWeightsError,
-    SenderAbortedError,
-    WeightSyncError,
-)
-from weightsync_core.topology import ring_topology
-from weightsync_core.transport import PeerTransport
+from weightsync_core.net.channel import ControlChannel, PeerEndpoints
+from weightsync_core.net.transport import PeerTransport
 
 __all__ = ["RingCheckpointEngine"]
 
@@ -54,7 +54,7 @@ class RingCheckpointEngine(CheckpointEngine):
             ``slots`` buckets.
         **kwargs: the options (:class:`~weightsync_core.engines.RingOptions`: ``device``,
             ``host``, ``slots``, ``keep_buffers``, ``rebuild_group``, and a backend's own) and
-            :class:`~weightsync_core.base.CheckpointEngine`'s arguments.
+            :class:`~weightsync_core.api.engine.CheckpointEngine`'s arguments.
     """
 
     options_class = RingOptions

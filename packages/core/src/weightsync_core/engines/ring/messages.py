@@ -1,5 +1,5 @@
 """The ring engine's control messages: a fixed schema, sealed with the sync's key on the wire
-(see :mod:`weightsync_core.wire`). Every message names its sync, so leftovers of an aborted
+(see :mod:`weightsync_core.net.wire`). Every message names its sync, so leftovers of an aborted
 sync are ignored."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from weightsync_core.bucketing import BucketMeta
-from weightsync_core.transport import RemoteBuffer
-from weightsync_core.verification import ManifestEntry
+from weightsync_core.data.bucketing import BucketMeta
+from weightsync_core.data.verification import ManifestEntry
+from weightsync_core.net.transport import RemoteBuffer
 
 __all__ = ["Abort", "BucketReady", "Credit", "Final", "Hello", "RingMessage"]
 

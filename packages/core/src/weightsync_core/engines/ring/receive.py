@@ -9,13 +9,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import BucketMeta, BucketUnpacker, ReceiveBuffers, copy_bytes
-from weightsync_core.devices import synchronize_device
+from weightsync_core.api.errors import SenderAbortedError, TransferError, WeightSyncError
+from weightsync_core.data.bucketing import BucketMeta, BucketUnpacker, ReceiveBuffers, copy_bytes
+from weightsync_core.data.devices import synchronize_device
+from weightsync_core.data.verification import DeliveryVerifier
 from weightsync_core.engines.ring.messages import Abort, BucketReady, Credit, Final, Hello
 from weightsync_core.engines.ring.session import RingSession
-from weightsync_core.errors import SenderAbortedError, TransferError, WeightSyncError
-from weightsync_core.verification import DeliveryVerifier
+from weightsync_core.net.blocking import run_blocking
 
 __all__ = ["RingReceiver"]
 

@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from weightsync_core.base import SyncProgress
-from weightsync_core.blocking import run_blocking
-from weightsync_core.bucketing import BucketMeta
-from weightsync_core.channel import ControlChannel, PeerEndpoints
+from weightsync_core.api.engine import SyncProgress
+from weightsync_core.api.errors import TransferError
+from weightsync_core.data.bucketing import BucketMeta
 from weightsync_core.engines.ring.messages import (
     Abort,
     BucketReady,
@@ -25,8 +24,9 @@ from weightsync_core.engines.ring.messages import (
     RingMessage,
 )
 from weightsync_core.engines.ring.slots import Downstream, RegisteredSlots
-from weightsync_core.errors import TransferError
-from weightsync_core.transport import PeerTransport, RemoteBuffer
+from weightsync_core.net.blocking import run_blocking
+from weightsync_core.net.channel import ControlChannel, PeerEndpoints
+from weightsync_core.net.transport import PeerTransport, RemoteBuffer
 
 __all__ = ["Placement", "RingLink", "RingSession"]
 
@@ -34,7 +34,7 @@ __all__ = ["Placement", "RingLink", "RingSession"]
 @dataclass(frozen=True)
 class Placement:
     """This process's place in one sync's ring (from
-    :func:`~weightsync_core.topology.ring_topology`)."""
+    :func:`~weightsync_core.data.topology.ring_topology`)."""
 
     position: int
     sync_id: str

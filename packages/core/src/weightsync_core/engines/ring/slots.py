@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync_core.api.errors import TransferError, WeightSyncError
 from weightsync_core.engines.ring.messages import Credit
-from weightsync_core.errors import TransferError, WeightSyncError
-from weightsync_core.transport import PeerTransport, RemoteBuffer
+from weightsync_core.net.transport import PeerTransport, RemoteBuffer
 
 __all__ = ["Downstream", "RegisteredSlots"]
 

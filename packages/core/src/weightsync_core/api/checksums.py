@@ -1,0 +1,48 @@
+"""How a bucket's bytes are checksummed: part of the contract between the two ends of a
+transfer, which must compute the same value (xxh3 on the host, a position-weighted sum on a
+device)."""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+__all__ = ["bucket_checksum", "device_checksum", "host_checksum"]
+
+
+def host_checksum(data: torch.Tensor) -> int:
+    """64-bit xxh3 of a ``uint8`` tensor's bytes (copied to host memory if needed)."""
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if data.numel() == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(data.contiguous().numpy().data)
+
+
+_CHECKSUM_CHUNK_WORDS = 1 << 24
+
+
+def device_checksum(data: torch.Tensor) -> int:
+    """Checksum of a ``uint8`` tensor computed on its own device (no copy to the host).
+
+    A position-weighted sum of its 32-bit words (weights 1..65521) plus the trailing bytes,
+    in int64 arithmetic: any single flipped bit changes it. Used by device engines, where
+    hashing on the host would mean copying every bucket back.
+    """
+    count = data.numel()
+    whole = count - count % 4
+    words = data[:whole].view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK_WORDS):
+        chunk = words[start : start + _CHECKSUM_CHUNK_WORDS].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=data.device) % 65521 + 1
+        total += (chunk * weights).sum()
+    tail = data[whole:].to(torch.int64)
+    total += (tail * torch.arange(1, tail.numel() + 1, device=data.device)).sum()
+    return int(total.item()) ^ (count << 1)
+
+
+def bucket_checksum(data: torch.Tensor) -> int:
+    """Checksum of a bucket's used bytes, computed where they live (xxh3 on the host,
+    :func:`device_checksum` on a device)."""
+    return host_checksum(data) if data.device.type == "cpu" else device_checksum(data)

@@ -1,0 +1,163 @@
+"""Typed conversion: plain data (``engine_kwargs``, a trainer's YAML, an info dict that crossed a
+process boundary) into a typed structure, strictly, with errors a user can act on.
+
+One converter for the whole workspace: :func:`convert` builds a dataclass (nested dataclasses,
+mappings, sequences, unions and literals included) with msgspec's strict conversion (no
+``"false"`` for a ``bool``, no ``True`` for an ``int``; an ``int`` is a fine ``float``), after
+refusing keys the structure does not have. A refusal is a :class:`ConversionError` that names
+the field (its dotted path), what the field accepts in words, the value given, and for an
+unknown key the closest valid names; callers word it for their own setting (an engine option,
+a configuration key) from those parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import msgspec
+
+from weightsync_core.api.dtypes import decode_hook
+
+__all__ = ["ConversionError", "convert", "describe_type"]
+
+T = TypeVar("T")
+
+_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[[^\]]*\])*)`$")
+_FIELD = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclasses.dataclass
+class ConversionError(ValueError):
+    """Data that does not fit the structure it is converted into.
+
+    Attributes:
+        kind: ``"unknown"`` (a key the structure has no field for), ``"type"`` (a value of a
+            type the field does not accept) or ``"invalid"`` (refused by the structure's own
+            checks, its ``__post_init__``).
+        path: the field's names from the top (``("trainer", "total_steps")``); empty for the
+            whole value.
+        value: what was given there (``None`` also when nothing could be found).
+        expected: what the field accepts, in words (``kind == "type"``).
+        reason: the structure's own words (``kind == "invalid"``).
+        choices: the valid names beside an unknown key (``kind == "unknown"``).
+        close: the valid names closest to an unknown key, best first (dotted paths).
+        error: the exception the structure's own checks raised (``kind == "invalid"``), for
+            callers whose structures raise errors of their own type.
+    """
+
+    kind: Literal["unknown", "type", "invalid"]
+    path: tuple[str, ...]
+    value: Any = None
+    expected: str = ""
+    reason: str = ""
+    choices: tuple[str, ...] = ()
+    close: tuple[str, ...] = ()
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(str(self))
+
+    @property
+    def where(self) -> str:
+        """The dotted path of the field (``"the value"`` for the whole value)."""
+        return ".".join(self.path) or "the value"
+
+    def __str__(self) -> str:
+        if self.kind == "unknown":
+            hint = f" Did you mean {' or '.join(map(repr, self.close))}?" if self.close else ""
+            return (f"unknown key {self.where!r} (given {self.value!r}).{hint} Valid keys: "
+                    f"{', '.join(self.choices) or 'none'}")
+        if self.kind == "type":
+            return (f"{self.where} must be {self.expected}, got {self.value!r} "
+                    f"({type(self.value).__name__})")
+        return self.reason if not self.path else f"{self.where}: {self.reason}"
+
+
+def convert(data: Any, target: type[T]) -> T:
+    """Build ``target`` (a dataclass, or any type msgspec builds: ``list[int]``,
+    ``torch.dtype``, ...) from ``data`` (plain mappings, sequences, scalars; a torch dtype may
+    be given by its name, as MessagePack carries it).
+
+    Raises:
+        ConversionError: an unknown key, a value of the wrong type, or a value ``target``'s own
+            checks refuse (their ``ValueError``/``TypeError`` message is kept as ``reason``).
+    """
+    _refuse_unknown_keys(data, target, ())
+    try:
+        return msgspec.convert(data, target, strict=True, dec_hook=decode_hook)
+    except msgspec.ValidationError as exc:
+        raise _explain(str(exc), data, target, exc.__cause__ or exc.__context__) from None
+
+
+def describe_type(hint: Any) -> str:
+    """``hint`` in words, for error messages (``"True or False"``, ``"an integer or None"``)."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(describe_type(arm) for arm in get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in get_args(hint))
+    words = {bool: "True or False", int: "an integer", float: "a number", str: "a string",
+             type(None): "None"}
+    if hint in words:
+        return words[hint]
+    if dataclasses.is_dataclass(hint):
+        return "a mapping of keys"
+    if _is(origin or hint, Mapping):
+        key, item = get_args(hint) or (Any, Any)
+        return f"a mapping of {describe_type(key)} to {describe_type(item)}"
+    if _is(origin or hint, Sequence):
+        return f"a list of {describe_type((get_args(hint) or (Any,))[0])}"
+    return "anything" if hint is Any else getattr(hint, "__name__", str(hint))
+
+
+def _is(kind: Any, base: type) -> bool:
+    return isinstance(kind, type) and issubclass(kind, base) and kind is not str
+
+
+def _dataclass_arm(hint: Any, value: Any) -> type | None:
+    """The dataclass ``hint`` (or one arm of a union ``hint``) that ``value`` would fill."""
+    if not isinstance(value, Mapping):
+        return None
+    arms = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    found = [arm for arm in arms if dataclasses.is_dataclass(arm) and isinstance(arm, type)]
+    return found[0] if len(found) == 1 else None
+
+
+def _refuse_unknown_keys(data: Any, target: type, path: tuple[str, ...]) -> None:
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(target):
+        return  # msgspec names the type error, or checks the keys itself
+    fields = {f.name for f in dataclasses.fields(target) if f.init}  # pyright: ignore[reportArgumentType]
+    hints = get_type_hints(target)
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=3)
+            raise ConversionError(
+                "unknown", (*path, str(key)), value, choices=tuple(sorted(fields)),
+                close=tuple(".".join((*path, name)) for name in close),
+            )
+        nested = _dataclass_arm(hints[key], value)
+        if nested is not None:
+            _refuse_unknown_keys(value, nested, (*path, key))
+
+
+def _explain(message: str, data: Any, target: type, error: BaseException | None
+             ) -> ConversionError:
+    """Turn msgspec's message into the field it concerns, what it accepts and what it got."""
+    located = _PATH.search(message)
+    text = message[: located.start()] if located else message
+    names = _FIELD.findall(located.group(1).split("[", 1)[0]) if located else []
+    if not (text.startswith("Expected `") or text.startswith("Invalid enum value")):
+        return ConversionError("invalid", tuple(names), reason=text, error=error)
+    hint: Any = target
+    value = data
+    for name in names:
+        structure = _dataclass_arm(hint, value) or hint
+        hint = get_type_hints(structure).get(name, Any) if dataclasses.is_dataclass(
+            structure) else Any
+        value = value.get(name) if isinstance(value, Mapping) else None
+    return ConversionError("type", tuple(names), value, expected=describe_type(hint))

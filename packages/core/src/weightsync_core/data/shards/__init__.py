@@ -1,0 +1,60 @@
+"""Sharded delivery: layouts (what each actor rank holds and each rollout worker needs, a
+box per checkpoint tensor), the transfer plan built from them, and its exchange over a gloo
+group, its bytes as gloo messages or written one-sidedly through a transport (see the core
+README, "Sharded delivery")."""
+
+from weightsync_core.data.shards.box import Box
+from weightsync_core.data.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
+from weightsync_core.data.shards.layout import (
+    Layout,
+    LayoutMismatchError,
+    Shapes,
+    check_coverage,
+    fsdp_layout,
+)
+from weightsync_core.data.shards.one_sided import (
+    KnownReceivers,
+    Landing,
+    OneSidedCarrier,
+    RegisteredBuffer,
+)
+from weightsync_core.data.shards.specs import (
+    LayoutSpec,
+    boxes_spec,
+    fsdp_spec,
+    parse_weights_spec,
+    plan_layouts,
+    resolve_layout,
+    tensor_parallel_spec,
+    weights_spec,
+)
+from weightsync_core.data.shards.tensor_parallel import DecoderShape, decoder_tensor_parallel_layout
+from weightsync_core.data.shards.transfers import Transfer, TransferPlan
+
+__all__ = [
+    "Box",
+    "DecoderShape",
+    "KnownReceivers",
+    "Landing",
+    "Layout",
+    "LayoutMismatchError",
+    "LayoutSpec",
+    "OneSidedCarrier",
+    "PieceCarrier",
+    "PlanExchange",
+    "PointToPoint",
+    "RegisteredBuffer",
+    "Shapes",
+    "Transfer",
+    "TransferPlan",
+    "boxes_spec",
+    "check_coverage",
+    "decoder_tensor_parallel_layout",
+    "fsdp_layout",
+    "fsdp_spec",
+    "parse_weights_spec",
+    "plan_layouts",
+    "resolve_layout",
+    "tensor_parallel_spec",
+    "weights_spec",
+]

@@ -1,0 +1,949 @@
+"""The manager that runs one weight sync from ``actor_wg`` to every rollout replica."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import logging
+import sys
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import ray
+
+from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
+from weightsync_core.api.engine import CheckpointEngineWithCache
+from weightsync_core.api.errors import MetadataError, SyncStageError
+from weightsync_core.api.plugins import load_custom_backend_module
+from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica
+from weightsync_core.api.registry import CheckpointEngineRegistry
+from weightsync_core.api.session_key import new_session_key
+from weightsync_core.data.delta import DeltaPlan
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.net.blocking import retrieve_exception
+from weightsync_core.orchestration.blame import (
+    describe_exception,
+    metadata_culprit,
+    settings_mismatch,
+)
+from weightsync_core.orchestration.delta_ledger import DeltaLedger
+from weightsync_core.orchestration.ray_group import RayWorkerGroup
+from weightsync_core.orchestration.stages import Calls, SyncStages
+
+__all__ = ["CheckpointEngineManager", "awaitable_or_blocking", "run_sync"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CLEANUP_SECONDS = 10.0
+"""How long the next sync waits for the clean-up calls a failed sync left running, and how
+long a sync's closing stages may run past its deadline."""
+_CLEANUP_GRACE_SECONDS = 0.2
+"""How long a failing sync waits for its clean-up calls before it raises."""
+_TRANSFER_STAGES = frozenset({"transfer", "finalize"})
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` from synchronous code (in a helper thread if a loop is running).
+    What it raises is raised as it is, chained to nothing of this function's."""
+    if not _loop_running():
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _loop_running() -> bool:
+    """Whether this thread runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+_ANONYMOUS_FRAMES = frozenset({"<lambda>", "<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
+_ASYNC_FLAGS = inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _called_from_async_code(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` (a caller) is a coroutine, looking through lambdas and
+    comprehensions to the function that wrote them."""
+    while frame is not None and frame.f_code.co_name in _ANONYMOUS_FRAMES:
+        frame = frame.f_back
+    return frame is not None and bool(frame.f_code.co_flags & _ASYNC_FLAGS)
+
+
+def awaitable_or_blocking(
+    method: Callable[..., Coroutine[Any, Any, T]],
+) -> Callable[..., Any]:
+    """Make an ``async`` method callable the way verl's trainer code calls its manager: from
+    a coroutine it returns the coroutine to await; from synchronous code it runs it to the
+    end and returns the result (in a helper thread when the thread already runs an event
+    loop), so a call is never a silently dropped coroutine."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        coroutine = method(*args, **kwargs)
+        if _called_from_async_code(sys._getframe(1)):
+            return coroutine
+        return run_sync(coroutine)
+
+    return call
+
+
+@dataclass(frozen=True)
+class _SyncProcesses:
+    """The engine processes of one sync (or one round of it): the actor ranks, then the
+    replicas' rollout workers, laid out by ``layout`` (as the engines number them) and named
+    as the manager numbers them (``rollout_names``: a round to some of the managed replicas
+    numbers its ranks within the round, a failure names them as a sync to all would)."""
+
+    actor: CheckpointEngineWorkerGroup
+    rollout: CheckpointEngineWorkerGroup
+    layout: SyncLayout
+    rollout_names: tuple[str, ...]
+    """Each rollout worker's name in the manager's numbering, in ``layout``'s rank order."""
+
+    @property
+    def names(self) -> list[str]:
+        """Every process's name: actor ranks, then rollout ranks (the manager's numbering)."""
+        return [*self.layout.actor_names, *self.rollout_names]
+
+    @property
+    def peers(self) -> dict[str, str]:
+        """How the engines name each process to their peers (``"rollout rank 0"``, within
+        this round) -> its name in :attr:`names`."""
+        return {
+            **{SyncLayout.actor_peer_name(rank): name
+               for rank, name in enumerate(self.layout.actor_names)},
+            **{SyncLayout.rollout_peer_name(rank): name
+               for rank, name in enumerate(self.rollout_names)},
+        }
+
+    def engine_calls(
+        self, method: str, actor_kwargs: dict[str, list[Any]] | None = None,
+        rollout_kwargs: dict[str, list[Any]] | None = None,
+    ) -> Callable[[], Calls]:
+        """Calls of ``engine.<method>`` on every process, with per-rank keyword arguments
+        for each side."""
+        def calls() -> Calls:
+            refs = [*self.actor.execute_checkpoint_engine(method, **(actor_kwargs or {})),
+                    *self.rollout.execute_checkpoint_engine(method, **(rollout_kwargs or {}))]
+            return list(zip(self.names, refs, strict=True))
+        return calls
+
+    def send_calls(self, global_steps: int | None, options: dict[str, Any]) -> Callable[[], Calls]:
+        """Each process's side of the transfer: the actor ranks send, the rollout workers
+        receive (the groups' ``update_weights``)."""
+        return lambda: list(zip(self.names, [
+            *self.actor.update_weights(global_steps, **options),
+            *self.rollout.update_weights(global_steps, **options),
+        ], strict=True))
+
+    def cache_calls(self, global_steps: int | None) -> Callable[[], Calls]:
+        """The rollout workers' loads from the actor side's cache (the actor ranks send
+        nothing)."""
+        load = getattr(self.rollout, "update_weights_from_cache", None)
+        if load is None:
+            raise TypeError(f"{type(self.rollout).__qualname__} has no "
+                            "update_weights_from_cache: its workers cannot load from a cache")
+        return lambda: list(zip(self.rollout_names, load(global_steps), strict=True))
+
+
+@dataclass
+class _Round:
+    """One transfer of a sync: to ``replicas``, under delta ``plan`` (None: not
+    delta-enabled); ``sent`` and ``loaded`` are what the senders and the rollout workers
+    reported once it ran."""
+
+    replicas: list[RolloutReplica]
+    plan: DeltaPlan | None
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    loaded: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def moves_patches(self) -> bool:
+        """Whether the round moves patches (else whole tensors)."""
+        return self.plan is not None and self.plan.is_delta
+
+
+class CheckpointEngineManager:
+    """Coordinates weight syncs between ``actor_wg`` and a set of rollout replicas.
+
+    One sync: abort in-flight requests, release KV cache, prepare, build topology, init
+    process groups, send and receive, finalize, resume generation. Every stage awaits Ray
+    object refs (no blocking ``ray.get``) under one deadline of
+    ``config.sync_timeout_seconds``; a failure raises :class:`SyncStageError` (or
+    :class:`SyncTimeoutError`) naming the stage and the worker.
+
+    If a sync fails after bytes started moving, its replicas are left paused (not resumed)
+    and listed in :attr:`stale_replicas` until a later sync succeeds or they are removed.
+
+    The rollout side of a sync is one worker group made of the replicas' workers (see
+    :meth:`rollout_group`): of the class the replicas name in a ``worker_group_class``
+    attribute, else of :attr:`default_rollout_group_class`.
+
+    Args:
+        config: the checkpoint-engine configuration.
+        actor_wg: the training-side worker group (a :class:`CheckpointEngineWorkerGroup`).
+        replicas: the rollout replicas (:class:`RolloutReplica`).
+    """
+
+    default_rollout_group_class: ClassVar[type[CheckpointEngineWorkerGroup]] = RayWorkerGroup
+    """The rollout side's worker group for replicas that name no ``worker_group_class``:
+    Ray handles of :class:`~weightsync_core.worker.owners.CheckpointEngineWorker` actors."""
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig,
+        actor_wg: CheckpointEngineWorkerGroup,
+        replicas: Iterable[RolloutReplica] = (),
+    ) -> None:
+        self.config = config
+        load_custom_backend_module(config.custom_backend_module, config.trusted_modules)
+        self.backend_cls = CheckpointEngineRegistry.get(config.backend)
+        self.backend_cls.check_options(config.active_engine_kwargs, config.backend)
+        if config.delta and not self.backend_cls.supports_delta:
+            why = (" (a colocated engine moves no bytes)" if self.backend_cls.is_colocated
+                   else "")
+            raise ValueError(
+                f"delta=True: backend {config.backend!r} does not move delta syncs{why}; its "
+                "engine does not set supports_delta. Set delta=False, or use a backend that "
+                "does (gloo, nccl, hccl, nixl, mooncake, kimi)"
+            )
+        self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
+        """Where ``config.delta`` is set: when a sync must be whole for everyone (see
+        :meth:`DeltaLedger.rounds`; who holds which version, the processes say)."""
+        self.travel_settings = config.travel_settings(self.backend_cls)
+        """The settings of ``config`` that change what travels
+        (:meth:`CheckpointEngineConfig.travel_settings`): before any byte of a sync moves,
+        every process must report its engine was built with the same."""
+        self.actor_wg = actor_wg
+        self.replicas: list[RolloutReplica] = []
+        self.stale_replicas: list[RolloutReplica] = []
+        self._addresses: dict[str, str] = {}
+        """Host address of each process and replica (by name) as of the last sync; cleared
+        when replicas are added or removed."""
+        self._cleanup: list[ray.ObjectRef] = []
+        self.add_replicas(replicas)
+
+    @property
+    def backend(self) -> str:
+        """The configured backend name."""
+        return self.config.backend
+
+    def add_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
+        """Include ``replicas`` from the next sync on.
+
+        Raises:
+            ValueError: a replica is already managed, or names another
+                ``worker_group_class`` than the managed ones (one sync drives one rollout
+                group: manage such replicas with separate managers).
+        """
+        for replica in replicas:
+            if any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is already managed")
+            group_class = self._worker_group_class(replica)
+            if self.replicas and group_class is not self._rollout_group_class():
+                raise ValueError(
+                    f"replica {replica!r} has workers of group class "
+                    f"{group_class.__qualname__}, the managed replicas "
+                    f"{self._rollout_group_class().__qualname__}; one sync drives one rollout "
+                    "group: manage these replicas with separate managers"
+                )
+            self.replicas.append(replica)
+        self._addresses.clear()  # rollout ranks are renumbered
+
+    def remove_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
+        """Stop syncing ``replicas`` (e.g. after one failed); the others are untouched."""
+        for replica in replicas:
+            if not any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is not managed by this manager")
+            self.replicas = [known for known in self.replicas if known is not replica]
+            self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
+        self._addresses.clear()  # rollout ranks are renumbered
+
+    def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
+        """The worker group a sync drives on the rollout side, made of the replicas'
+        ``workers``: of the class the replicas name in ``worker_group_class``, else of
+        :attr:`default_rollout_group_class`. Override for workers with other calling
+        conventions, as ``weightsync-verl`` does for verl's."""
+        return self._rollout_group_class()(workers)
+
+    def _rollout_group_class(self) -> type[CheckpointEngineWorkerGroup]:
+        """The worker group class of the managed replicas (they all have the same)."""
+        if not self.replicas:
+            return self.default_rollout_group_class
+        return self._worker_group_class(self.replicas[0])
+
+    def _worker_group_class(
+        self, replica: RolloutReplica
+    ) -> type[CheckpointEngineWorkerGroup]:
+        return getattr(replica, "worker_group_class", None) or self.default_rollout_group_class
+
+    @awaitable_or_blocking
+    async def sleep_replicas(self) -> None:
+        """Put every replica to sleep (free weight and KV-cache memory); replicas must
+        implement ``sleep()``, as verl's do."""
+        await self._lifecycle("sleep_replicas", "sleep")
+
+    @awaitable_or_blocking
+    async def wake_up_replicas(self) -> None:
+        """Wake every replica (restore weight and KV-cache memory); replicas must implement
+        ``wake_up()``, as verl's do."""
+        await self._lifecycle("wake_up_replicas", "wake_up")
+
+    @awaitable_or_blocking
+    async def abort_replicas(self, reject_request: bool = False) -> None:
+        """Stop in-flight generation on every replica. ``reject_request``: fail requests
+        that arrive until :meth:`resume_generation_replicas` instead of parking them (passed
+        to replicas only when set, as verl's replicas take it)."""
+        options = {"reject_request": True} if reject_request else {}
+        await self._lifecycle("abort_replicas", "abort_all_requests", **options)
+
+    @awaitable_or_blocking
+    async def resume_generation_replicas(self) -> None:
+        """Let every replica serve again."""
+        await self._lifecycle("resume_generation_replicas", "resume_generation")
+
+    @awaitable_or_blocking
+    async def release_kv_cache_replicas(self) -> None:
+        """Free every replica's KV cache, keeping its weights (a sync does this itself)."""
+        await self._lifecycle("release_kv_cache_replicas", "release_kv_cache")
+
+    @awaitable_or_blocking
+    async def resume_kv_cache_replicas(self) -> None:
+        """Restore every replica's KV cache (a sync does this itself after the transfer)."""
+        await self._lifecycle("resume_kv_cache_replicas", "resume_kv_cache")
+
+    async def _lifecycle(self, stage: str, method: str, **options: Any) -> None:
+        """Call ``method`` on every replica at once, within ``sync_timeout_seconds``; a
+        failure names the replica."""
+        missing = sorted({type(r).__name__ for r in self.replicas if not hasattr(r, method)})
+        if missing:
+            raise TypeError(
+                f"{stage}: replica class(es) {', '.join(missing)} have no {method}() method; "
+                f"implement it to use {stage}"
+            )
+        await self._stages().run(stage, lambda: [
+            (SyncLayout.replica_name(index), getattr(replica, method)(**options))
+            for index, replica in enumerate(self.replicas)
+        ], members=self._replica_workers)
+
+    def update_weights_sync(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """:meth:`update_weights` for synchronous callers."""
+        return run_sync(self._update_weights(global_steps, allow_manifest_change))
+
+    @awaitable_or_blocking
+    async def update_weights(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Move the actor's current weights to every replica; return metrics. Await it from
+        async code; called from synchronous code it runs the sync and returns the metrics
+        (as verl's trainer calls ``checkpoint_manager.update_weights(global_steps)``).
+
+        A sync that delivers no tensors fails, and so does one whose tensor names, shapes or
+        dtypes differ from what a replica loaded in its previous sync (it is refused before
+        the changed tensor is loaded), unless ``allow_manifest_change`` says the model's
+        layout changed on purpose.
+
+        Metrics (``weightsync/`` prefix): ``bytes`` (payload: one copy of what the sender
+        sent; with a backend that delivers layouts, the most any worker received, and
+        ``bytes_sent`` what all actor ranks sent), ``tensors``, ``buckets``,
+        ``seconds/<stage>``, ``seconds/total``,
+        ``transfer_gbps`` and ``gbps`` (payload bytes per second). With ``config.delta``
+        also ``delta`` (1 for a sync of patches, 0 for a full one), ``model_bytes`` (the
+        weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
+        ``seconds/diff`` (the sender's diffing) and ``seconds/apply`` (the slowest
+        worker's patching and checking), and ``actor_kept_bytes`` (the largest copy an
+        actor rank keeps for the next sync).
+        """
+        return await self._update_weights(global_steps, allow_manifest_change)
+
+    async def _update_weights(
+        self, global_steps: int | None, allow_manifest_change: bool
+    ) -> dict[str, float]:
+        return await self._sync(list(self.replicas), global_steps, False, allow_manifest_change)
+
+    def update_replicas_from_cache_sync(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
+    ) -> dict[str, float]:
+        """:meth:`update_replicas_from_cache` for synchronous callers."""
+        return run_sync(self._update_replicas_from_cache(replicas, global_steps))
+
+    @awaitable_or_blocking
+    async def update_replicas_from_cache(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
+    ) -> dict[str, float]:
+        """Bring managed ``replicas`` (e.g. just added) to the latest update from the actor
+        side's cache, without the actor ranks sending again (backends with a cache, such as
+        ``kimi``). ``global_steps`` is the version to report (that of the last update).
+        Metrics as :meth:`update_weights`; ``bytes`` is what the replicas loaded. Awaitable,
+        or run to the end from synchronous code, like :meth:`update_weights`."""
+        return await self._update_replicas_from_cache(replicas, global_steps)
+
+    async def _update_replicas_from_cache(
+        self, replicas: Iterable[RolloutReplica], global_steps: int | None
+    ) -> dict[str, float]:
+        if not issubclass(self.backend_cls, CheckpointEngineWithCache):
+            raise TypeError(
+                f"backend {self.backend!r} keeps no cache of the latest weights on the actor "
+                "side; new replicas get the weights from the next update_weights"
+            )
+        chosen = list(replicas)
+        for replica in chosen:
+            if not any(replica is known for known in self.replicas):
+                raise ValueError(f"replica {replica!r} is not managed; add_replicas() first")
+        return await self._sync(chosen, global_steps, True, False)
+
+    def _stages(self) -> SyncStages:
+        """Stages under one deadline of ``sync_timeout_seconds`` from now."""
+        return SyncStages(self.backend, self.config.sync_timeout_seconds, self._addresses)
+
+    async def _sync(
+        self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
+        allow_manifest_change: bool,
+    ) -> dict[str, float]:
+        """One sync to ``replicas``: pause them, move the weights (in one round, or, in a
+        delta sync where only some replicas hold the actor side's version, a round of
+        patches to those and one of whole tensors to the rest), resume them; returns the
+        metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised."""
+        stages = self._stages()
+        await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
+        # a colocated engine (naive) hands the weights over inside each actor process, which
+        # also serves generation: as in verl, the replicas are not paused around it
+        paused = replicas if not self.backend_cls.is_colocated else []
+        rounds: list[_Round] = []
+        done: list[_Round] = []
+        try:
+            await stages.run("abort_requests", self._replica_calls(paused, "abort_all_requests"),
+                             members=self._replica_workers)
+            await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"),
+                             members=self._replica_workers)
+            rounds = await self._rounds(stages, replicas, from_cache, allow_manifest_change)
+            for round_ in rounds:
+                await self._move(stages, round_, global_steps, from_cache,
+                                 allow_manifest_change, mixed=len(rounds) > 1)
+                done.append(round_)
+        except BaseException as exc:
+            if self.delta_ledger is not None and not from_cache:
+                # a load from the cache sends nothing: the actor side's copy is untouched,
+                # and the workers that loaded forget theirs (they report none next sync)
+                self.delta_ledger.failed()
+            error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
+            in_flight = rounds[len(done)].replicas if len(done) < len(rounds) else replicas
+            await asyncio.shield(self._recover(error, replicas, in_flight))
+            if error is exc or isinstance(exc, asyncio.CancelledError):
+                raise
+            raise error from exc
+        self.stale_replicas = [
+            stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
+        ]
+        if self.delta_ledger is not None and not from_cache:
+            self.delta_ledger.succeeded(
+                (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
+        await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
+                         min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
+        await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
+                         min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
+        metrics = self._sync_metrics(stages, rounds, len(replicas),
+                                     sharded=self.backend_cls.executes_layouts)
+        if self.delta_ledger is not None and not from_cache:
+            metrics.update(_delta_metrics(rounds, self.backend_cls.encodes_own_share))
+        return metrics
+
+    async def _rounds(self, stages: SyncStages, replicas: list[RolloutReplica],
+                      from_cache: bool, allow_manifest_change: bool) -> list[_Round]:
+        """How this sync moves the weights: one round to every replica, or, in a delta sync
+        where only some hold the actor side's version, patches to those first, then whole
+        tensors to the rest (:meth:`DeltaLedger.rounds`, from what the processes report
+        holding: :meth:`_held_versions`)."""
+        if self.delta_ledger is None or from_cache:
+            return [_Round(replicas, None)]
+        actor_version, held = await self._held_versions(stages, replicas)
+        return [_Round(group, plan) for group, plan in self.delta_ledger.rounds(
+            replicas, actor_version, held, force_full=allow_manifest_change)]
+
+    async def _held_versions(self, stages: SyncStages, replicas: list[RolloutReplica]
+                             ) -> tuple[str | None, list[list[str | None]]]:
+        """Ask every actor rank and every worker of ``replicas``, in stage ``locate``, which
+        delta version it holds (:data:`~weightsync_core.api.config.DELTA_HELD`); a process that
+        cannot say holds none. Returns actor rank 0's version (the rank that sends, whatever
+        else does: :meth:`_fall_back_where_senders_lack_the_base` checks the others once
+        their roles are known) and, per replica, its workers' versions."""
+        processes = self._processes(replicas)
+        stages.peers = processes.peers
+        held = processes.engine_calls(DELTA_HELD)
+        answers = await stages.run("locate", lambda: [
+            (name, _answer_or_none(call, DELTA_HELD)) for name, call in held()])
+        versions = [_held_version(answer) for answer in answers]
+        first = processes.layout.actor_ranks
+        per_replica: list[list[str | None]] = []
+        for replica in replicas:
+            per_replica.append(versions[first:first + len(replica.workers)])
+            first += len(replica.workers)
+        return versions[0], per_replica
+
+    async def _fall_back_where_senders_lack_the_base(
+        self, stages: SyncStages, processes: _SyncProcesses, round_: _Round
+    ) -> None:
+        """Once the engines know their roles (after ``init_process_group``): make a round of
+        patches a round of whole tensors (same version) where an actor rank that sends, or
+        keeps a slice of the copy, does not hold its base (a relay of a multi-sender engine
+        that had no share of an earlier sync, a rank that restarted, one that cannot say),
+        so that it falls back instead of failing."""
+        plan = round_.plan
+        if plan is None or not plan.is_delta:
+            return
+        names = processes.layout.actor_names
+        answers = await stages.run("init_process_group", lambda: [
+            (name, _answer_or_none(ref, DELTA_HELD)) for name, ref in zip(
+                names, processes.actor.execute_checkpoint_engine(DELTA_HELD), strict=True)])
+        lacking = [name for name, answer in zip(names, answers, strict=True)
+                   if _needs_base(answer) and _held_version(answer) != plan.base]
+        if lacking:
+            logger.info("delta sync: %s hold(s) no copy of version %s; whole tensors to "
+                        "replica(s) %s instead of patches", ", ".join(lacking), plan.base,
+                        self._indices(round_.replicas))
+            round_.plan = DeltaPlan(plan.version)
+
+    async def _move(self, stages: SyncStages, round_: _Round, global_steps: int | None,
+                    from_cache: bool, allow_manifest_change: bool, mixed: bool) -> None:
+        """One round's transfer; fills in what ``round_`` sent and loaded. A failure in one
+        of the two rounds of a mixed delta sync says which replicas it moved to (its error
+        names processes and replicas as the manager numbers them, as every sync's does)."""
+        options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
+        try:
+            if self.backend_cls.is_colocated:
+                round_.sent = await self._hand_over_in_process(stages, global_steps, options)
+            else:
+                round_.sent, round_.loaded = await self._send_to_replicas(
+                    stages, round_, global_steps, from_cache, options
+                )
+            self._check_tensors_moved(round_.sent)
+        except SyncStageError as error:
+            if mixed:
+                error.args = (f"{error.args[0]} [in the round of "
+                              f"{'patches' if round_.moves_patches else 'whole tensors'} to "
+                              f"replica(s) {self._indices(round_.replicas)} of this manager; "
+                              "processes are named as this manager numbers them; rollout "
+                              "ranks inside the engines' own messages count within the "
+                              "round]",)
+            raise
+
+    def _indices(self, replicas: list[RolloutReplica]) -> list[int]:
+        """The positions of ``replicas`` among the managed ones."""
+        return [index for index, known in enumerate(self.replicas)
+                if any(known is replica for replica in replicas)]
+
+    async def _hand_over_in_process(
+        self, stages: SyncStages, global_steps: int | None, options: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """A colocated engine's transfer: each actor rank loads its weights into the server
+        in its own process. Returns what each rank moved."""
+        layout = self._layout([])
+        return await stages.run("transfer", lambda: list(zip(
+            layout.actor_names, self.actor_wg.update_weights(global_steps, **options),
+            strict=True,
+        )))
+
+    async def _send_to_replicas(
+        self, stages: SyncStages, round_: _Round, global_steps: int | None,
+        from_cache: bool, options: dict[str, Any],
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The engines' stages of a sync from the actor ranks (or, ``from_cache``, the actor
+        side's cache) to the workers of ``round_``'s replicas, under its delta plan (which
+        may fall back to whole tensors once the engines know their roles). Returns what was
+        moved (the senders' counts, or what one worker loaded from the cache) and what each
+        worker loaded."""
+        replicas = round_.replicas
+        processes = self._processes(replicas)
+        layout = processes.layout
+        stages.peers = processes.peers
+        progress = processes.engine_calls("sync_progress")
+        key = new_session_key()  # this sync's secret, handed to every process through Ray
+        await stages.run("authenticate", processes.engine_calls(
+            "set_session_key", {"key": [key] * layout.actor_ranks},
+            {"key": [key] * layout.rollout_world_size},
+        ), progress)
+        await self._locate(stages, processes, replicas)
+        metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
+        actor_kwargs, rollout_kwargs = self._topology(stages, processes, metadata)
+        await stages.run("init_process_group", processes.engine_calls(
+            "init_process_group", actor_kwargs, rollout_kwargs,
+        ), progress)
+        await self._fall_back_where_senders_lack_the_base(stages, processes, round_)
+        if round_.plan is not None:
+            options = {**options, "delta_base": round_.plan.base,
+                       "delta_version": round_.plan.version}
+        if from_cache:
+            results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
+            sent, loaded = results[:1], results
+        else:
+            results = await stages.run(
+                "transfer", processes.send_calls(global_steps, options), progress
+            )
+            sent, loaded = results[: layout.actor_ranks], results[layout.actor_ranks:]
+        await stages.run("finalize", processes.engine_calls("finalize"), progress)
+        return sent, loaded
+
+    def _layout(self, replicas: list[RolloutReplica]) -> SyncLayout:
+        """This sync's layout: ``actor_wg``'s ranks and the workers of ``replicas``.
+
+        Raises:
+            SyncStageError: (stage ``prepare``) a replica has no workers.
+        """
+        try:
+            return SyncLayout(
+                self.actor_wg.world_size, tuple(len(replica.workers) for replica in replicas)
+            )
+        except ValueError as exc:
+            raise SyncStageError(
+                f"weight sync ({self.backend}) failed at stage 'prepare': {exc}",
+                stage="prepare",
+            ) from exc
+
+    def _processes(self, replicas: list[RolloutReplica]) -> _SyncProcesses:
+        """The actor ranks and the workers of ``replicas`` (at least one), as one sync
+        drives them."""
+        workers = [worker for replica in replicas for worker in replica.workers]
+        if not workers:
+            raise SyncStageError(
+                f"backend {self.backend!r} moves weights to rollout workers, but the manager "
+                "has no replicas; add_replicas() first", stage="prepare",
+            )
+        layout = self._layout(replicas)
+        return _SyncProcesses(
+            actor=self.actor_wg, rollout=self.rollout_group(workers), layout=layout,
+            rollout_names=tuple(name for replica in replicas
+                                for name in self._worker_names(replica)),
+        )
+
+    def _replica_index(self, replica: RolloutReplica) -> int | None:
+        """``replica``'s position among the managed replicas (None: not managed)."""
+        return next((index for index, known in enumerate(self.replicas) if known is replica),
+                    None)
+
+    def _replica_name(self, replica: RolloutReplica, fallback: int) -> str:
+        """How errors name ``replica``: by its position among the managed replicas (a
+        sync's replicas at position ``fallback`` where it is not managed)."""
+        index = self._replica_index(replica)
+        return SyncLayout.replica_name(fallback if index is None else index)
+
+    def _worker_names(self, replica: RolloutReplica) -> list[str]:
+        """How errors name the workers of ``replica``, as :meth:`SyncLayout.rollout_name`
+        does in a sync to every managed replica (``"rollout rank 3 (replica 1, worker
+        0)"``), whichever replicas the sync or its round moves to."""
+        index = self._replica_index(replica)
+        if index is None:  # not managed (any longer): numbered after the managed ones
+            index, first = len(self.replicas), sum(len(r.workers) for r in self.replicas)
+        else:
+            first = sum(len(known.workers) for known in self.replicas[:index])
+        return [f"{SyncLayout.rollout_peer_name(first + worker)} (replica {index}, "
+                f"worker {worker})" for worker in range(len(replica.workers))]
+
+    def _replica_workers(self, name: str) -> Calls:
+        """For the managed replica errors call ``name`` (``"replica 1"``), a call to each
+        of its workers asking what it is doing (``sync_progress``, through the rollout
+        worker group), named as errors name the worker: when a replica's call fails because
+        a process died, the stage blames the worker that died (see
+        :meth:`SyncStages.run`'s ``members``)."""
+        replica = next((known for index, known in enumerate(self.replicas)
+                        if SyncLayout.replica_name(index) == name), None)
+        if replica is None or not replica.workers:
+            return []
+        refs = self.rollout_group(list(replica.workers)).execute_checkpoint_engine(
+            "sync_progress")
+        return list(zip(self._worker_names(replica), refs, strict=True))
+
+    async def _locate(self, stages: SyncStages, processes: _SyncProcesses,
+                      replicas: list[RolloutReplica]) -> None:
+        """Learn where each process runs, so that a failure names the host (a cable, a
+        switch); a replica's stages (abort, resume) name the host of its first worker. In
+        the same stage, ask every process what its engine was built with
+        (:data:`~weightsync_core.api.config.BUILT_SETTINGS`) and refuse the sync, at stage
+        ``prepare`` and before any byte moves, where that differs from this manager's
+        config (:meth:`_check_settings`)."""
+        addresses = processes.engine_calls("address")
+        settings = processes.engine_calls(BUILT_SETTINGS)
+        world_size = processes.layout.world_size
+        results = await stages.run("locate", lambda: [
+            *addresses(), *((name, _answer_or_none(call, BUILT_SETTINGS))
+                            for name, call in settings()),
+        ])
+        hosts, reported = results[:world_size], results[world_size:]
+        processes.layout.with_hosts(hosts)  # every answer a host name
+        self._addresses.update(zip(processes.names, hosts, strict=True))
+        first = processes.layout.actor_ranks
+        for position, replica in enumerate(replicas):
+            self._addresses[self._replica_name(replica, position)] = hosts[first]
+            first += len(replica.workers)
+        self._check_settings(stages, processes, reported)
+
+    def _check_settings(self, stages: SyncStages, processes: _SyncProcesses,
+                        reported: list[Any]) -> None:
+        """Refuse a sync where a process's engine was built with settings that change what
+        travels other than this manager's config says (:attr:`travel_settings`): a
+        process built with ``rollout_dtype='float32'`` under a manager that says
+        ``'bfloat16'`` would serve float32 weights. Processes whose worker could not say
+        (``reported`` None) are not compared.
+
+        Raises:
+            SyncStageError: at stage ``prepare``, naming the process, the setting and both
+                values.
+        """
+        found = settings_mismatch(self.travel_settings, reported, processes.names)
+        if found is not None:
+            raise stages.blame("prepare", *found)
+
+    def _topology(
+        self, stages: SyncStages, processes: _SyncProcesses, metadata: list[Any]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The backend's per-rank ``init_process_group`` arguments (actor side, rollout
+        side) from what ``prepare`` returned; a failure is stage ``build_topology``'s.
+
+        Engines get the sizes (``build_topology(layout.actor_ranks,
+        layout.rollout_world_size, metadata)``, verl's signature), or the workers of each
+        replica where they ask for them (``build_replica_topology``)."""
+        layout = processes.layout
+        try:
+            actor_kwargs, rollout_kwargs = self.backend_cls.build_replica_topology(
+                layout.actor_ranks, list(layout.replica_workers), metadata,
+            )
+        except Exception as exc:
+            raise self._topology_error(stages, processes.names, metadata, exc) from exc
+        # engines written for verl may name the method too (verl's manager overwrites it)
+        actor_kwargs.pop("method", None)
+        rollout_kwargs.pop("method", None)
+        return actor_kwargs, rollout_kwargs
+
+    @staticmethod
+    def _topology_error(
+        stages: SyncStages, names: list[str], metadata: list[Any], exc: Exception
+    ) -> SyncStageError:
+        """The error of a failed ``build_topology``: where one process's ``prepare()``
+        returned metadata the others did not (not a dict, a key missing, a value of the
+        wrong kind), that process is blamed at stage ``prepare``, before any byte moved;
+        else the builder's own error, at stage ``build_topology``."""
+        found = metadata_culprit(exc, metadata)
+        if found is None or not 0 <= found[0] < len(names):
+            return stages.error(exc, "build_topology")
+        index, problem = found
+        detail = "" if isinstance(exc, MetadataError) else (
+            f" (build_topology failed on it: {describe_exception(exc)})")
+        return stages.blame("prepare", names[index],
+                            f"returned metadata {problem} from prepare(){detail}")
+
+    def _check_tensors_moved(self, sent: list[dict[str, Any]]) -> None:
+        """Refuse a sync that moved no tensor (engines refuse that themselves; this guards
+        against one that does not)."""
+        if not any(result.get("num_tensors") for result in sent):
+            raise SyncStageError(
+                f"weight sync ({self.backend}) moved no tensors; a sync that loads nothing is "
+                "refused (does the actor's weight iterator yield anything?)", stage="transfer",
+            )
+
+    @staticmethod
+    def _sync_metrics(
+        stages: SyncStages, rounds: list[_Round], replicas: int, sharded: bool = False
+    ) -> dict[str, float]:
+        """The stages' timings (summed over rounds) and what the sync moved (see
+        :meth:`update_weights`). ``sharded`` (every actor rank sent its own pieces, each
+        worker received only its boxes): ``bytes`` is the most any rollout worker received,
+        and ``bytes_sent`` what all actor ranks sent together."""
+        metrics = dict(stages.metrics)
+        total = stages.elapsed()
+        side = "loaded" if sharded else "sent"
+        nbytes = sum(max((r.get("nbytes", 0) for r in getattr(round_, side)), default=0)
+                     for round_ in rounds)
+        if sharded:
+            metrics["weightsync/bytes_sent"] = float(sum(
+                r.get("nbytes", 0) for round_ in rounds for r in round_.sent))
+        transfer_seconds = metrics.get("weightsync/seconds/transfer", 0.0)
+        metrics.update({
+            "weightsync/bytes": float(nbytes),
+            "weightsync/tensors": float(max(
+                (r.get("num_tensors", 0) for round_ in rounds for r in round_.sent), default=0)),
+            "weightsync/buckets": float(sum(
+                max((r.get("num_buckets", 0) for r in round_.sent), default=0)
+                for round_ in rounds)),
+            "weightsync/replicas": float(replicas),
+            "weightsync/seconds/total": total,
+            "weightsync/transfer_gbps": (
+                nbytes / transfer_seconds / 1e9 if transfer_seconds else 0.0
+            ),
+            "weightsync/gbps": nbytes / total / 1e9 if total else 0.0,
+        })
+        return metrics
+
+    def _replica_calls(self, replicas: list[RolloutReplica], method: str
+                       ) -> Callable[[], Calls]:
+        """Calls of ``replica.<method>()`` on each of ``replicas``, named by their
+        positions among the managed replicas."""
+        return lambda: [(self._replica_name(replica, position), getattr(replica, method)())
+                        for position, replica in enumerate(replicas)]
+
+    async def run_stage(
+        self, stage: str, calls: Calls, deadline: float,
+        probe: Callable[[], Calls] | None = None,
+    ) -> list[Any]:
+        """Run one stage of an integration's own (``weightsync-verl`` runs verl's naive
+        hand-over so) with the manager's deadline and blame: ``calls`` are ``(process name,
+        Ray object ref)`` pairs, awaited until ``deadline`` (event-loop time); a call that
+        fails or is still running then raises
+        :class:`~weightsync_core.api.errors.SyncStageError` naming the stage and the processes
+        (``probe``, if given, returns calls that report what the stalled ones are doing)."""
+        stages = self._stages()
+        stages.deadline = deadline
+        return await stages.run(stage, lambda: calls, probe)
+
+    async def _settle_cleanup(self, budget: float) -> None:
+        """Wait (at most ``budget`` seconds, and :data:`_CLEANUP_SECONDS`) for the clean-up
+        a failed sync left running, so that no process starts this sync while it still
+        aborts the last one."""
+        leftovers, self._cleanup = self._cleanup, []
+        if not leftovers:
+            return
+        tasks = [asyncio.ensure_future(ref) for ref in leftovers]
+        for task in tasks:
+            task.add_done_callback(retrieve_exception)
+        limit = min(budget, _CLEANUP_SECONDS)
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        if pending:
+            logger.warning(
+                "%d clean-up call(s) of the last failed sync are still running after %.0fs; "
+                "their processes may be frozen (remove_replicas() them)", len(pending), limit,
+            )
+            for task in pending:
+                task.cancel()
+
+    async def _finish_cleanup(self, calls: list[Awaitable[Any]]) -> None:
+        """Give ``calls`` a moment; the next sync waits for the Ray calls among them (each
+        sync runs on its own event loop when called from synchronous code, so only Ray
+        object refs outlive it)."""
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        for task in tasks:
+            task.add_done_callback(retrieve_exception)
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLEANUP_GRACE_SECONDS)
+        self._cleanup += [call for call in calls if isinstance(call, ray.ObjectRef)]
+
+    async def _recover(self, error: SyncStageError, replicas: list[RolloutReplica],
+                       in_flight: list[RolloutReplica]) -> None:
+        """After a failed sync to ``replicas``: abort the engines of the round that failed
+        (``in_flight``'s workers and the actor ranks; dropping groups that may be
+        half-used), mark ``in_flight`` stale if bytes had started to move, and resume the
+        replicas that do not hold incomplete weights (those of a round that ended, and those
+        of none yet). Returns after :data:`_CLEANUP_GRACE_SECONDS`: what is still running is
+        awaited by the next sync."""
+        workers = [worker for replica in in_flight for worker in replica.workers]
+        cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
+                   *_abort_calls(lambda: self.rollout_group(workers), "the rollout workers")]
+        await self._finish_cleanup(cleanup)
+        if error.stage in _TRANSFER_STAGES:
+            self.stale_replicas += [
+                r for r in in_flight if not any(r is stale for stale in self.stale_replicas)
+            ]
+            others = len(replicas) - len(in_flight)
+            resumed = f"; the {others} other replica(s) were resumed" if others else ""
+            error.args = (
+                f"{error.args[0]}. The {len(in_flight)} replica(s) it moved to were left "
+                "paused with incomplete weights (see manager.stale_replicas); fix the cause and "
+                f"call update_weights again, or remove_replicas() the broken ones{resumed}.",
+            )
+        if self.backend_cls.is_colocated:
+            return  # its replicas were never paused
+        untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
+        await self._finish_cleanup([_resume(replica) for replica in untouched])
+
+
+def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
+    """What the sending rank of a delta-enabled sync reported (the weights' size, the
+    fraction of elements that changed, the seconds spent diffing), summed over the actor
+    ranks where each sends its own share (``shares``), the fraction of its replicas that got
+    patches (``delta``: 1 or 0 where it was one round) and the longest any rollout worker
+    spent applying them. With ``shares``, ``bytes`` is what the ranks' shares sent.
+    ``actor_kept_bytes``: the largest copy any actor rank keeps for the next sync."""
+    def reported(round_: _Round) -> dict[str, float]:
+        senders = [result for result in round_.sent if "delta_elements" in result]
+        if not shares:
+            senders = senders[:1]
+        keys = ("delta_elements", "delta_changed", "delta_model_bytes", "delta_wire_bytes",
+                "delta_seconds")
+        return {key: sum(float(result.get(key, 0.0)) for result in senders) for key in keys}
+
+    reports = [reported(round_) for round_ in rounds]
+    patched = [round_ for round_ in rounds if round_.moves_patches]
+    first = reports[rounds.index((patched or rounds)[0])]
+    elements = first["delta_elements"]
+    replicas = sum(len(round_.replicas) for round_ in rounds)
+    metrics = {
+        "weightsync/seconds/apply": max((result.get("delta_seconds", 0.0)
+                                         for round_ in rounds for result in round_.loaded),
+                                        default=0.0),
+        "weightsync/delta": (sum(len(round_.replicas) for round_ in patched) / replicas
+                             if replicas else 0.0),
+        "weightsync/model_bytes": first["delta_model_bytes"],
+        "weightsync/changed_fraction": first["delta_changed"] / elements if elements else 0.0,
+        "weightsync/seconds/diff": sum(report["delta_seconds"] for report in reports),
+    }
+    if shares:
+        metrics["weightsync/bytes"] = sum(report["delta_wire_bytes"] for report in reports)
+    kept = [result["delta_kept_bytes"] for result in rounds[-1].sent
+            if "delta_kept_bytes" in result]
+    if kept:
+        metrics["weightsync/actor_kept_bytes"] = max(kept)
+    return metrics
+
+
+def _abort_calls(
+    group: Callable[[], CheckpointEngineWorkerGroup], side: str
+) -> list[Awaitable[Any]]:
+    """``engine.abort()`` on every process of ``group()``; a group that cannot even start
+    the calls is logged and skipped, so that the sync's own error is what the caller sees
+    and the replicas are still resumed or listed stale."""
+    try:
+        return list(group().execute_checkpoint_engine("abort"))
+    except Exception as exc:
+        logger.warning("could not abort the engines of %s after the failed sync: %r", side, exc)
+        return []
+
+
+async def _answer_or_none(call: Awaitable[Any], method: str) -> Any:
+    """What a process answers ``method`` (:data:`~weightsync_core.api.config.BUILT_SETTINGS`,
+    :data:`~weightsync_core.api.config.DELTA_HELD`) with, or None where its worker does not know
+    the call (verl's own workers hand it to their engine, which has no such method): such a
+    process is not compared, and holds no known delta version. Any other failure (a process
+    that died) is the stage's."""
+    try:
+        return await call
+    except AttributeError as exc:  # a Ray task error is an instance of its cause's class
+        if method in str(exc):
+            return None
+        raise
+
+
+def _held_version(answer: Any) -> str | None:
+    """The delta version in a process's :data:`~weightsync_core.api.config.DELTA_HELD` answer
+    (None: it holds none, or said nothing usable)."""
+    version = answer.get("version") if isinstance(answer, dict) else None
+    return version if isinstance(version, str) else None
+
+
+def _needs_base(answer: Any) -> bool:
+    """Whether an actor rank's :data:`~weightsync_core.api.config.DELTA_HELD` answer says a
+    round of patches needs it to hold their base; a rank that could not say is taken to."""
+    return not isinstance(answer, dict) or answer.get("needs_base") is not False
+
+
+async def _resume(replica: RolloutReplica) -> None:
+    """Restore a replica's KV cache, then let it serve (after a sync that moved no bytes)."""
+    await replica.resume_kv_cache()
+    await replica.resume_generation()
