@@ -49,6 +49,7 @@ import ray
 from weightsync_core.config import CheckpointEngineConfig
 from weightsync_core.errors import SyncStageError, SyncTimeoutError
 from weightsync_core.testing.harness import SyncHarness
+from weightsync_core.testing.profile import by_profile
 from weightsync_core.testing.weights import Faults
 
 if TYPE_CHECKING:
@@ -62,6 +63,26 @@ __all__ = [
 ]
 
 _StageError = TypeVar("_StageError", bound=SyncStageError)
+
+DEFAULT_SOAK_SYNCS = 40
+"""The most syncs a soak runs in the default profile: a descriptor, thread or connection kept
+per sync grows a process by 40, five times :attr:`~_ConformanceBase.soak_bounds` or more;
+the long profile runs :attr:`~_ConformanceBase.soak_syncs`."""
+SOAK_RSS_FLOOR = 8 << 20
+"""A shorter soak (the default profile) bounds memory growth per sync as the long one does
+(:attr:`~_ConformanceBase.soak_bounds` over :attr:`~_ConformanceBase.soak_syncs`), but at
+least by this much (allocator noise; 0.7-1.2 MiB measured over 40 syncs): 8 MiB over 40
+syncs where the long profile allows 32 MiB over 200, so a state dict of the soak (256 KiB)
+kept per sync shows in both."""
+DEFAULT_REPLAY_SYNCS = 20
+STALL_TIMEOUT = by_profile(default=4, long=8)
+"""The sync timeout of the cases whose receiver stalls or is frozen mid-sync: a healthy sync of
+these cases takes 0.3-3 s on a loaded 2-core machine, so 4 s in the default profile."""
+SLOW_TIMEOUT = by_profile(default=4, long=6)
+"""The sync timeout of the case whose receiver takes a second per tensor (about a minute for
+the case's weights)."""
+"""The most syncs the replay cases run in the default profile (the long one:
+:attr:`ControlFrameReplayTests.replay_syncs`)."""
 
 
 class _ConformanceBase:
@@ -86,7 +107,9 @@ class _ConformanceBase:
     ray_actor_options: ClassVar[dict[str, Any]] = {}
     """Extra ``ray.remote`` options of every actor (``{"num_gpus": 1}`` for device engines)."""
     soak_syncs: ClassVar[int] = 200
-    """Syncs of the soak test (each of a small state dict)."""
+    """Syncs of the soak test (each of a small state dict) in the long profile; the default
+    profile runs at most :data:`DEFAULT_SOAK_SYNCS` of them
+    (:mod:`~weightsync_core.testing.profile`)."""
     soak_bounds: ClassVar[dict[str, float]] = {
         "fds": 8, "threads": 1, "established": 2, "rss": 32 << 20,
     }
@@ -509,11 +532,11 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
 
     def test_stalled_receiver_is_blamed_within_the_timeout(self, harness: SyncHarness) -> None:
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
-            harness, SyncTimeoutError, timeout=8, stall_after=5
+            harness, SyncTimeoutError, timeout=STALL_TIMEOUT, stall_after=5
         )
         assert f"{self._broken_worker(healthy)} stopped making progress" in str(error)
         assert self._broken_worker(healthy) in error.pending
-        self._detected("stalled receiver", elapsed, 8 + 2, error)
+        self._detected("stalled receiver", elapsed, STALL_TIMEOUT + 2, error)
         assert manager.stale_replicas == [healthy, broken]
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
@@ -539,23 +562,24 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         frozen: list[int] = []
         try:
             manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
-                harness, SyncTimeoutError, timeout=8, during=freeze, delay_per_tensor=0.05
+                harness, SyncTimeoutError, timeout=STALL_TIMEOUT, during=freeze,
+                delay_per_tensor=0.05,
             )
         finally:
             for pid in frozen:
                 os.kill(pid, signal.SIGCONT)
         assert frozen, "the receiver finished before it could be frozen"
         assert f"{self._broken_worker(healthy)} stopped responding" in str(error)
-        self._detected("frozen receiver (SIGSTOP)", elapsed, 8 + 2, error)
+        self._detected("frozen receiver (SIGSTOP)", elapsed, STALL_TIMEOUT + 2, error)
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
 
     def test_slow_receiver_past_the_timeout_is_blamed(self, harness: SyncHarness) -> None:
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
-            harness, SyncTimeoutError, timeout=6, delay_per_tensor=1.0
+            harness, SyncTimeoutError, timeout=SLOW_TIMEOUT, delay_per_tensor=1.0
         )
         assert f"{self._broken_worker(healthy)} stopped making progress" in str(error)
-        self._detected("slow receiver", elapsed, 6 + 2, error)
+        self._detected("slow receiver", elapsed, SLOW_TIMEOUT + 2, error)
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
 
@@ -701,15 +725,20 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
             manager.update_weights_sync(global_steps=step)
         before = ray.get([worker.resources.remote() for worker in workers])
         start = time.monotonic()
-        for step in range(11, 11 + self.soak_syncs):
+        syncs = by_profile(default=min(self.soak_syncs, DEFAULT_SOAK_SYNCS),
+                           long=self.soak_syncs)
+        for step in range(11, 11 + syncs):
             manager.update_weights_sync(global_steps=step)
         seconds = time.monotonic() - start
         after = ray.get([worker.resources.remote() for worker in workers])
         growth = {key: max(b[key] - a[key] for a, b in zip(before, after, strict=True))
                   for key in self.soak_bounds}
-        print(f"soak {self.backend}: {self.soak_syncs} syncs in {seconds:.1f}s, worst growth "
-              f"per process {growth}, start {before[0]} / {before[-1]}")
-        for key, bound in self.soak_bounds.items():
+        bounds = dict(self.soak_bounds)
+        if syncs < self.soak_syncs:  # memory: the long profile's bound per sync
+            bounds["rss"] = max(bounds["rss"] * syncs / self.soak_syncs, SOAK_RSS_FLOOR)
+        print(f"soak {self.backend}: {syncs} syncs in {seconds:.1f}s, worst growth "
+              f"per process {growth} (bounds {bounds}), start {before[0]} / {before[-1]}")
+        for key, bound in bounds.items():
             assert growth[key] <= bound, f"{key} grew by {growth[key]} over the soak: {growth}"
         ray.get([ref for worker in workers
                  for ref in [worker.execute_checkpoint_engine.remote("close")]])
@@ -722,7 +751,8 @@ class ControlFrameReplayTests(_ConformanceBase):
     backends, kimi): add it to the conformance class's bases."""
 
     replay_syncs: ClassVar[int] = 50
-    """Syncs run while the outsider replays what it captured."""
+    """Syncs run while the outsider replays what it captured, in the long profile; the
+    default profile runs at most :data:`DEFAULT_REPLAY_SYNCS` of them."""
     replayed_kinds: ClassVar[tuple[str, ...]] = ("credit", "bucket")
     """The messages the targeted outsider replays (the tags of the backend's messages)."""
     replay_rate: ClassVar[float] = 0.05
@@ -758,7 +788,9 @@ class ControlFrameReplayTests(_ConformanceBase):
             [sys.executable, "-m", "weightsync_core.testing.replay", str(tmp_path), "600",
              "7", str(rate), *kinds], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
-        syncs = self.replay_syncs if syncs is None else syncs
+        if syncs is None:
+            syncs = by_profile(default=min(self.replay_syncs, DEFAULT_REPLAY_SYNCS),
+                               long=self.replay_syncs)
         manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
         silent: list[str] = []
         failures: list[str] = []
