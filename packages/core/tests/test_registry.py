@@ -116,3 +116,39 @@ def test_installed_backend_whose_native_library_fails_shows_the_import_error(
     assert row.state is BackendState.BROKEN
     assert "libacme_transport_does_not_exist" in row.reason
     sys.modules.pop("acme_native_backend", None)
+
+
+def test_a_first_party_backend_installed_but_failing_to_load_gets_no_install_hint(
+    tmp_path, monkeypatch, clean_registry, capsys
+):
+    """Like hccl without torch_npu: its distribution is installed, so `pip install` it is
+    the wrong advice; the load error (with its own fix) is what `weightsync backends` shows."""
+    from weightsync_core.api import registry
+    from weightsync_core.cli import main
+
+    dist_info = tmp_path / "acme_native-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-native\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[weightsync.backends]\nacme_native = acme_native_backend:Engine\n"
+    )
+    (tmp_path / "acme_native_backend.py").write_text(
+        "raise ImportError('acme needs libacme: install it with your package manager')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(
+        registry.KNOWN_BACKENDS, "acme_native",  # type: ignore[index]
+        registry.KnownBackend("acme-native", "a first-party backend", "libacme"),
+    )
+    clean_registry.refresh()
+    row = clean_registry.available(probe=True)["acme_native"]
+    assert row.state is BackendState.BROKEN
+    assert row.install_hint is None
+    assert "install it with your package manager" in row.reason
+    assert main(["backends"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("acme_native "))
+    assert "install it with your package manager" in line
+    assert "pip install acme-native" not in line
+    assert "uv add" not in line
+    sys.modules.pop("acme_native_backend", None)

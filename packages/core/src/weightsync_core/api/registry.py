@@ -105,7 +105,12 @@ class BackendState(enum.StrEnum):
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """One row of :meth:`CheckpointEngineRegistry.available`."""
+    """One row of :meth:`CheckpointEngineRegistry.available`.
+
+    ``install_hint`` is the command to run only where the distribution is missing (or too
+    old to provide the backend); a broken backend's distribution is installed, so its
+    ``reason`` (the load error, with its own fix) says what to do instead.
+    """
 
     name: str
     state: BackendState
@@ -263,9 +268,9 @@ class CheckpointEngineRegistry:
                 target or f"{engine.__module__}:{engine.__qualname__}", None, None, description,
             )
         reason = cls._conflicts.get(name) or cls._broken.get(name)
-        if reason is not None:
+        if reason is not None:  # installed: the load error (or the clash) says what to fix
             return BackendInfo(
-                name, BackendState.BROKEN, distribution, target, reason, hint, description
+                name, BackendState.BROKEN, distribution, target, reason, None, description
             )
         if entry_point is not None:
             return BackendInfo(
