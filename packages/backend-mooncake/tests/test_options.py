@@ -1,4 +1,5 @@
-"""The ``mooncake`` engine's typed options, and the README's configs built against them."""
+"""The ``mooncake`` engine's typed options, and the configs of its docs page and README built
+against them."""
 
 from pathlib import Path
 
@@ -8,6 +9,8 @@ from weightsync_core import CheckpointEngineConfig, EngineOptionsError
 from weightsync_core.testing.docs import check_documented_options
 
 README = Path(__file__).parents[1] / "README.md"
+DOCS = Path(__file__).parents[3] / "docs"
+"""The documentation site's pages (the tests run from a repository checkout)."""
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -23,4 +26,6 @@ def test_bad_options_fail_when_the_config_is_built(kwargs, message):
 
 
 def test_documented_options_are_options():
-    assert len(check_documented_options(README, "mooncake")) == 3  # mooncake_sharded too
+    page = DOCS / "backends" / "mooncake.md"
+    assert len(check_documented_options(page, "mooncake")) == 3  # mooncake_sharded too
+    assert len(check_documented_options(README, "mooncake")) == 1  # the quick start

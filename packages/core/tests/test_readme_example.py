@@ -1,10 +1,12 @@
-"""The README's engine between two plain processes runs as written, where Ray cannot load."""
+"""The docs' engine between two plain processes (docs/concepts/index.md, "An engine without
+Ray") runs as written, where Ray cannot load."""
 
 import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).parents[1] / "README.md"
+PAGE = Path(__file__).parents[3] / "docs" / "concepts" / "index.md"
+"""The docs site's concepts page (the tests run from a repository checkout)."""
 MARKER = "<!-- example without Ray -->\n```python\n"
 
 NO_RAY = '''import importlib.abc as _abc, sys as _sys
@@ -17,7 +19,7 @@ _sys.meta_path.insert(0, _NoRay())
 
 
 def test_an_engine_moves_weights_between_two_plain_processes_without_ray(tmp_path):
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.index(MARKER) + len(MARKER)
     example = text[start:text.index("```", start)]
     script = tmp_path / "example.py"

@@ -61,7 +61,7 @@ class TestVerlMooncakeOnWeightsync(_VerlEngineConformance):
 SUITE_SWITCH = "WEIGHTSYNC_VERL_ENGINE_SUITE"
 """Set to 1 to run the suite on verl's NIXL engine (about 5 min): not in the default run, for
 time, and because earlier runs saw a rollout worker of verl's engine stop answering in about
-one run of four (see the README)."""
+one run of four (see docs/integrations/verl.md)."""
 
 
 @pytest.mark.skipif(os.environ.get(SUITE_SWITCH) != "1",

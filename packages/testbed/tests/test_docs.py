@@ -1,4 +1,5 @@
-"""The README's engine configs are accepted by the backends they name."""
+"""The engine configs of the testbed's docs page and README are accepted by the backends
+they name."""
 
 from pathlib import Path
 
@@ -7,7 +8,9 @@ from weightsync_core.testing.docs import check_documented_options
 
 def test_documented_engine_options_are_options():
     readme = Path(__file__).parents[1] / "README.md"
-    assert [where.split()[-1] for where in check_documented_options(readme)] == ["nixl"]
+    page = Path(__file__).parents[3] / "docs" / "testbed.md"  # the docs site's
+    for document in (page, readme):
+        assert [where.split()[-1] for where in check_documented_options(document)] == ["nixl"]
 
 
 def test_core_command_runs_the_testbed_bench_through_its_entry_point(capsys):

@@ -3,8 +3,8 @@ either completes bit-exact or fails within its timeout naming a host the fault c
 never a hang; and the next sync (fault repaired, or the cut-off replica removed) is
 bit-exact everywhere.
 
-Each line the tests print (``[backend] fault: outcome``) is a row of the table in the core
-README.
+Each line the tests print (``[backend] fault: outcome``) is a row of the table in the docs'
+testbed page (docs/testbed.md, "Network faults").
 """
 
 from __future__ import annotations

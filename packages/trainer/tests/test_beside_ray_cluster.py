@@ -17,7 +17,8 @@ import pytest
 from weightsync_core.testing import user_ray_cluster
 
 CONNECT_SECONDS = 10.0
-"""The bound weightsync-core documents for reaching a cluster (core README, Benchmark)."""
+"""The bound weightsync-core documents for reaching a cluster (docs/getting-started.md, "On a
+Ray cluster")."""
 
 TRAIN = [str(Path(sys.executable).parent / "weightsync-train"), "trainer.total_steps=2",
          "actor.world_size=1", "rollout.num_replicas=1"]

@@ -1,9 +1,11 @@
 """Engine options as the docs write them, so that a backend's tests can build every one.
 
-A README documents a backend's options in three ways, all found here:
+A page of the docs site (``docs/``) or a README documents a backend's options in three ways,
+all found here:
 
 - a Python dict keyed by backend: ``engine_kwargs={"nixl": {"device": "cuda"}}``;
-- a dotted override: ``rollout.checkpoint_engine.engine_kwargs.nixl.ucx_transports=tcp``;
+- a dotted override: ``rollout.checkpoint_engine.engine_kwargs.nixl.ucx_transports=tcp``
+  (verl's longer path, ``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs...``, too);
 - a table whose first column is headed ``engine kwarg``, one option name per row.
 
 Fenced ``text`` blocks (shown output, such as an error for a bad config) are left out.
