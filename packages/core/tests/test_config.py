@@ -26,7 +26,8 @@ def test_defaults_follow_verl():
         ({"sync_timeout_seconds": float("nan")}, "finite number of seconds > 0, got nan"),
         ({"sync_timeout_seconds": True}, "finite number of seconds > 0, got True"),
         ({"sync_timeout_seconds": "60"}, "finite number of seconds > 0, got '60'"),
-        ({"engine_kwargs": {"gloo": 3}}, "engine_kwargs must map a backend name"),
+        ({"engine_kwargs": {"gloo": 3}},
+         "engine_kwargs must be a mapping of a backend name to a dict"),
         ({"rollout_dtype": "bfloat17"}, "'bfloat17' is not a torch dtype"),
     ],
 )
@@ -162,3 +163,11 @@ def test_full_verify_every_without_delta_is_refused():
         CheckpointEngineConfig(backend="gloo", full_verify_every=3)
     assert CheckpointEngineConfig(backend="gloo", delta=True, full_verify_every=3)
     assert CheckpointEngineConfig(backend="gloo", full_verify_every=0)
+
+
+def test_a_config_built_in_python_refuses_what_its_annotations_refuse():
+    # a string where a flag belongs was taken (a truthy 'no' left verification on)
+    with pytest.raises(ValueError, match=r"verify must be True or False, got 'no' \(str\)"):
+        CheckpointEngineConfig(verify="no")  # pyright: ignore[reportArgumentType]
+    by_dtype = CheckpointEngineConfig(rollout_dtype=torch.bfloat16)  # pyright: ignore[reportArgumentType]
+    assert by_dtype.rollout_dtype == "bfloat16"

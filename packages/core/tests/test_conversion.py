@@ -89,3 +89,32 @@ def test_a_torch_dtype_is_taken_as_itself_or_by_its_name(given):
 def test_a_name_that_is_no_torch_dtype_is_refused():
     with pytest.raises(ConversionError, match="'bfloat17' is not a torch dtype"):
         convert({"dtype": "bfloat17"}, _Typed)
+
+
+def test_bounds_set_by_msgspec_meta_are_checked_and_described():
+    from typing import Annotated
+
+    from msgspec import Meta
+
+    from weightsync_core.api.conversion import describe_type
+
+    @dataclass
+    class Sized:
+        size: Annotated[int, Meta(gt=0, le=64)] = 1
+
+    assert describe_type(Annotated[int, Meta(gt=0, le=64)]) == "an integer > 0 and <= 64"
+    with pytest.raises(ConversionError, match=r"size must be an integer > 0 and <= 64, got 65"):
+        convert({"size": 65}, Sized)
+
+
+def test_a_structure_built_in_python_is_checked_against_its_annotations():
+    from weightsync_core.api.conversion import check_fields
+
+    @dataclass
+    class Flags:
+        verify: bool = True
+        name: str = "x"
+
+    check_fields(Flags())
+    with pytest.raises(ConversionError, match=r"verify must be True or False, got 'no' \(str\)"):
+        check_fields(Flags(verify="no"))  # pyright: ignore[reportArgumentType]

@@ -6,8 +6,12 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import torch
+from msgspec import Meta
+
+from weightsync_core.api.conversion import check_fields
 from weightsync_core.api.dtypes import parse_dtype, parse_rollout_dtype
 from weightsync_core.api.errors import BackendNotFoundError, PluginError
 
@@ -112,52 +116,38 @@ class CheckpointEngineConfig:
             refused without ``delta``.
     """
 
-    backend: str = "naive"
-    update_weights_bucket_megabytes: int = 512
-    engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    backend: Annotated[str, Meta(min_length=1, description="a non-empty string")] = "naive"
+    update_weights_bucket_megabytes: Annotated[int, Meta(
+        gt=0, le=MAX_BUCKET_MEGABYTES,
+        description=f"a positive integer (MiB) of at most {MAX_BUCKET_MEGABYTES} (64 GiB)",
+    )] = 512
+    engine_kwargs: Annotated[dict[str, dict[str, Any]], Meta(
+        description="a mapping of a backend name to a dict of keyword arguments, e.g. "
+        "{'gloo': {'host': '127.0.0.1'}}",
+    )] = field(default_factory=dict)
     custom_backend_module: str | list[str] | None = None
-    sync_timeout_seconds: float = 600.0
+    sync_timeout_seconds: Annotated[float, Meta(
+        gt=0, description="a finite number of seconds > 0")] = 600.0
     verify: bool = True
     rollout_dtype: str | None = None
     delta: bool = False
-    full_verify_every: int = 0
+    full_verify_every: Annotated[int, Meta(
+        ge=0, description="an integer >= 0 (every Nth delta-enabled sync is a full one; 0: "
+        "never)")] = 0
 
     def __post_init__(self) -> None:
         from weightsync_core.api.plugins import trusted_module_prefixes
 
         prefixes = trusted_module_prefixes()
         self._trusted_modules = tuple(prefixes) if prefixes is not None else None
-        if not isinstance(self.backend, str) or not self.backend:
-            raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
-        if (
-            isinstance(self.update_weights_bucket_megabytes, bool)
-            or not isinstance(self.update_weights_bucket_megabytes, int)
-            or not 0 < self.update_weights_bucket_megabytes <= MAX_BUCKET_MEGABYTES
-        ):
-            raise ValueError(
-                "update_weights_bucket_megabytes must be a positive integer (MiB) of at most "
-                f"{MAX_BUCKET_MEGABYTES} (64 GiB), got {self.update_weights_bucket_megabytes!r}"
-            )
-        timeout = self.sync_timeout_seconds
-        if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                or not math.isfinite(timeout) or timeout <= 0):
-            raise ValueError(
-                f"sync_timeout_seconds must be a finite number of seconds > 0, got {timeout!r}"
-            )
-        if not isinstance(self.engine_kwargs, dict) or not all(
-            isinstance(v, dict) for v in self.engine_kwargs.values()
-        ):
-            raise ValueError(
-                "engine_kwargs must map a backend name to a dict of keyword arguments, e.g. "
-                "{'gloo': {'host': '127.0.0.1'}}"
-            )
+        if isinstance(self.rollout_dtype, torch.dtype):  # kept by its name, as configs write it
+            self.rollout_dtype = str(self.rollout_dtype).removeprefix("torch.")
+        check_fields(self)  # each field's type and bounds, as its annotation says
+        if not math.isfinite(self.sync_timeout_seconds):
+            raise ValueError("sync_timeout_seconds must be a finite number of seconds > 0, "
+                             f"got {self.sync_timeout_seconds!r}")
         parse_rollout_dtype(self.rollout_dtype)
-        if not isinstance(self.delta, bool):
-            raise ValueError(f"delta must be True or False, got {self.delta!r}")
         every = self.full_verify_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError("full_verify_every must be an integer >= 0 (every Nth delta-enabled "
-                             f"sync is a full one; 0: never), got {every!r}")
         if every and not self.delta:
             raise ValueError(
                 f"full_verify_every={every} applies to delta sync only, and delta is off (every "

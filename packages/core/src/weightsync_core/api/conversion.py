@@ -7,28 +7,36 @@ mappings, sequences, unions and literals included) with msgspec's strict convers
 refusing keys the structure does not have. A refusal is a :class:`ConversionError` that names
 the field (its dotted path), what the field accepts in words, the value given, and for an
 unknown key the closest valid names; callers word it for their own setting (an engine option,
-a configuration key) from those parts.
+a configuration key) from those parts. Where a conversion fails, the failing field is found by
+converting the structure's fields one by one, each with msgspec (never by reading msgspec's
+message).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgspec
 
 from weightsync_core.api.dtypes import decode_hook
 
-__all__ = ["ConversionError", "convert", "describe_type"]
+__all__ = ["ConversionError", "check_fields", "convert", "describe_type"]
 
 T = TypeVar("T")
 
-_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[[^\]]*\])*)`$")
-_FIELD = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 @dataclasses.dataclass
@@ -89,14 +97,43 @@ def convert(data: Any, target: type[T]) -> T:
     """
     _refuse_unknown_keys(data, target, ())
     try:
-        return msgspec.convert(data, target, strict=True, dec_hook=decode_hook)
+        return _strict(data, target)
     except msgspec.ValidationError as exc:
-        raise _explain(str(exc), data, target, exc.__cause__ or exc.__context__) from None
+        error = exc
+    # outside the handler: the fields' own conversions must not chain to this error
+    raise _failure(data, target, ()) or _refused(error, ())
+
+
+def check_fields(instance: Any) -> None:
+    """Check a dataclass instance's field values against their annotations, as
+    :func:`convert` would have (for a structure built in Python rather than converted): each
+    field's type, and the bounds a ``typing.Annotated[..., msgspec.Meta(...)]`` sets. Call it
+    from ``__post_init__``, before the checks across fields.
+
+    Raises:
+        ConversionError: the first field whose value does not fit (``kind == "type"``).
+    """
+    hints = get_type_hints(type(instance), include_extras=True)
+    for field in dataclasses.fields(instance):
+        if field.init:
+            found = _failure(getattr(instance, field.name), hints[field.name], (field.name,))
+            if found is not None:
+                raise found
 
 
 def describe_type(hint: Any) -> str:
-    """``hint`` in words, for error messages (``"True or False"``, ``"an integer or None"``)."""
+    """``hint`` in words, for error messages (``"True or False"``, ``"an integer or None"``,
+    ``"an integer > 0 and <= 64"``; a ``msgspec.Meta``'s own description where it has one)."""
     origin = get_origin(hint)
+    if origin is Annotated:
+        base, *extras = get_args(hint)
+        meta = next((extra for extra in extras if isinstance(extra, msgspec.Meta)), None)
+        if meta is not None and meta.description:
+            return meta.description
+        bounds = [f"{sign} {getattr(meta, name)}" for name, sign in _BOUNDS
+                  if meta is not None and getattr(meta, name) is not None]
+        return " ".join([describe_type(base), " and ".join(bounds)]) if bounds else describe_type(
+            base)
     if origin in (Union, types.UnionType):
         return " or ".join(describe_type(arm) for arm in get_args(hint))
     if origin is Literal:
@@ -113,6 +150,11 @@ def describe_type(hint: Any) -> str:
     if _is(origin or hint, Sequence):
         return f"a list of {describe_type((get_args(hint) or (Any,))[0])}"
     return "anything" if hint is Any else getattr(hint, "__name__", str(hint))
+
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "of length >="),
+           ("max_length", "of length <="))
+"""``msgspec.Meta``'s bounds and their words."""
 
 
 def _is(kind: Any, base: type) -> bool:
@@ -145,19 +187,36 @@ def _refuse_unknown_keys(data: Any, target: type, path: tuple[str, ...]) -> None
             _refuse_unknown_keys(value, nested, (*path, key))
 
 
-def _explain(message: str, data: Any, target: type, error: BaseException | None
-             ) -> ConversionError:
-    """Turn msgspec's message into the field it concerns, what it accepts and what it got."""
-    located = _PATH.search(message)
-    text = message[: located.start()] if located else message
-    names = _FIELD.findall(located.group(1).split("[", 1)[0]) if located else []
-    if not (text.startswith("Expected `") or text.startswith("Invalid enum value")):
-        return ConversionError("invalid", tuple(names), reason=text, error=error)
-    hint: Any = target
-    value = data
-    for name in names:
-        structure = _dataclass_arm(hint, value) or hint
-        hint = get_type_hints(structure).get(name, Any) if dataclasses.is_dataclass(
-            structure) else Any
-        value = value.get(name) if isinstance(value, Mapping) else None
-    return ConversionError("type", tuple(names), value, expected=describe_type(hint))
+def _strict(data: Any, target: Any) -> Any:
+    return msgspec.convert(data, target, strict=True, dec_hook=decode_hook)
+
+
+def _failure(data: Any, hint: Any, path: tuple[str, ...]) -> ConversionError | None:
+    """Why ``data`` does not convert to ``hint``, found at the deepest field that refuses it
+    (each field converted on its own, a nested dataclass field by field); None if it does."""
+    structure = _dataclass_arm(hint, data)
+    if structure is None:
+        try:
+            _strict(data, hint)
+        except msgspec.ValidationError as exc:
+            if exc.__cause__ or exc.__context__:  # a decode hook's refusal, in its own words
+                return _refused(exc, path)
+            return ConversionError("type", path, data, expected=describe_type(hint))
+        return None
+    hints = get_type_hints(structure, include_extras=True)
+    for key, value in data.items():
+        found = _failure(value, hints[key], (*path, str(key)))
+        if found is not None:
+            return found
+    try:  # every field fits: the structure's own checks (or a missing field) refuse it
+        _strict(data, structure)
+    except msgspec.ValidationError as exc:
+        return _refused(exc, path)
+    return None
+
+
+def _refused(error: msgspec.ValidationError, path: tuple[str, ...]) -> ConversionError:
+    """A structure's refusal of values that each fit their field: its own check's error (a
+    ``ValueError``/``TypeError`` from ``__post_init__``), or msgspec's (a missing field)."""
+    cause = error.__cause__ or error.__context__
+    return ConversionError("invalid", path, reason=str(cause or error), error=cause)
