@@ -3,22 +3,30 @@
 The names follow verl's checkpoint engine (``CheckpointEngine``, ``CheckpointEngineRegistry``,
 ``CheckpointEngineManager``, ``CheckpointEngineWorker``; the training side is ``actor_wg``).
 
-Three layers, each importable without the ones above it:
+Three layers, as folders, each importable without the ones above it:
 
-1. engines (no Ray): the interface, registry, options, bucketing, wire, channel, transports,
-   the engines and :mod:`weightsync_core.spi`, the surface backends import;
-2. orchestration on Ray: the manager, its stages and blame, worker groups, deployments;
-3. tools: :mod:`weightsync_core.plan`, :mod:`weightsync_core.bench`, the ``weightsync`` CLI.
+1. the engine layer, no Ray: :mod:`~weightsync_core.api` (the engine interface, config,
+   options, registry, plugins, conversion), :mod:`~weightsync_core.net` (wire, channel,
+   rendezvous store, process groups, peer transport), :mod:`~weightsync_core.data`
+   (bucketing, verification, sync layouts, shards, delta), :mod:`~weightsync_core.engines`
+   and :mod:`~weightsync_core.worker` (the per-process side), with
+   :mod:`weightsync_core.spi`, the surface backends import;
+2. :mod:`~weightsync_core.orchestration` on Ray: the manager, its stages and blame, the
+   delta ledger, worker groups, deployments;
+3. tools: :mod:`weightsync_core.plan`, :mod:`weightsync_core.bench`,
+   :mod:`weightsync_core.testing`, the ``weightsync`` CLI.
 
 Importing this package imports layer 1 only; the layer-2 names exported here
 (``CheckpointEngineManager``, ``run_sync``, ``awaitable_or_blocking``, ``ensure_ray``,
 ``RayRolloutReplica``, ``RayWorkerGroup``, ``load_checkpoint_manager_class``) import Ray on
-first use.
+first use. The module paths before 0.18 (``weightsync_core.manager``, ...) still import,
+with a ``DeprecationWarning`` (:mod:`weightsync_core._old_paths`).
 
 Integrations and other packages import from this package's face, :mod:`weightsync_core.spi`
 (backends), :mod:`weightsync_core.verl_compat` (engines written for verl),
-:mod:`weightsync_core.plan`, :mod:`weightsync_core.bench` and its modules, and
-:mod:`weightsync_core.testing` (test support); the other modules are internal.
+:mod:`weightsync_core.data.shards` (sharded layouts), :mod:`weightsync_core.plan`,
+:mod:`weightsync_core.bench` and its modules, and :mod:`weightsync_core.testing` (test
+support).
 """
 
 from __future__ import annotations
