@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig, WeightSyncError
-from weightsync_core.worker.owners import build_engine
+from weightsync_core.worker import build_engine
 
 
 class _Actor(ActorCheckpointEngineMixin):

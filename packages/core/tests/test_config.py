@@ -117,7 +117,7 @@ def test_the_memory_bound_counts_a_ring_worker_s_slots_and_spares_device_buckets
 
 def test_the_bucket_is_checked_again_where_the_engine_is_built(monkeypatch):
     from weightsync_core.api import config as config_module
-    from weightsync_core.worker.owners import build_engine
+    from weightsync_core.worker import build_engine
 
     config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1024)
     # a worker's machine, smaller than the driver's

@@ -9,7 +9,7 @@ import torch
 from weightsync_core.api.engine import SyncProgress
 from weightsync_core.api.errors import ManifestChangedError, WeightSyncError
 from weightsync_core.data.verification import ManifestGuard
-from weightsync_core.worker.owners import _deliver
+from weightsync_core.worker.delivery import deliver_weights as _deliver
 
 
 async def _stream(names):

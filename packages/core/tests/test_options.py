@@ -9,9 +9,9 @@ import pytest
 import ray
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager, CheckpointEngineWorker
+from weightsync_core.api.errors import EngineOptionsError
+from weightsync_core.api.options import EngineOptions, parse_options
 from weightsync_core.engines import RingOptions
-from weightsync_core.errors import EngineOptionsError
-from weightsync_core.options import EngineOptions, parse_options
 from weightsync_core.testing.docs import check_documented_options
 from weightsync_core.worker import build_engine
 

@@ -136,7 +136,7 @@ def test_an_allowlist_set_after_the_config_was_built_binds_the_processes_it_is_s
     config Ray pickled after it was set."""
     import pickle
 
-    from weightsync_core.worker.owners import build_engine
+    from weightsync_core.worker import build_engine
 
     monkeypatch.delenv("WEIGHTSYNC_TRUSTED_MODULES", raising=False)
     config = CheckpointEngineConfig(backend="acme_gloo", custom_backend_module="acme_weightsync",

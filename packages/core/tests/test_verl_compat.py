@@ -116,7 +116,7 @@ def test_a_verl_engine_under_a_free_name_keeps_it_and_gets_the_verl_name(restore
 def test_a_verl_engine_is_built_with_a_dtype_and_the_syncs_timeout(restored_registry):
     from weightsync_core import CheckpointEngineConfig
     from weightsync_core.verl_compat import CheckpointEngine
-    from weightsync_core.worker.owners import build_engine
+    from weightsync_core.worker import build_engine
 
     @restored_registry.register("verl_dtype_taker")
     class TakesDtype(CheckpointEngine):  # as verl's Mooncake engine, which uses .to(dtype)

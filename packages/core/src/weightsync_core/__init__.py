@@ -73,7 +73,7 @@ from weightsync_core.data.bucketing import (
     TensorMeta,
     WeightsSource,
 )
-from weightsync_core.worker.owners import (
+from weightsync_core.worker import (
     ActorCheckpointEngineMixin,
     CheckpointEngineWorker,
     build_engine,

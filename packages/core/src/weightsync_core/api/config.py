@@ -187,7 +187,7 @@ class CheckpointEngineConfig:
         where ``engine_cls`` (the configured backend's engine, with this config's options)
         keeps them in host memory (``engine_cls.buckets_in_host_memory``; buckets on a
         device are bounded by the 64 GiB cap only). Runs when the config is built and where each
-        engine is built (:func:`~weightsync_core.worker.owners.build_engine`), each time against
+        engine is built (:func:`~weightsync_core.worker.lifecycle.build_engine`), each time against
         the memory of the machine it runs on.
 
         Raises:

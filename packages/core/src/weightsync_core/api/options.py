@@ -65,7 +65,7 @@ class EngineOptions:
     def check_local(self, backend: str) -> None:
         """Check what only the process that uses these options can check, on its own
         machine: called where the engine is built in that process
-        (:func:`weightsync_core.worker.owners.build_engine`), never on the driver, whose machine
+        (:func:`weightsync_core.worker.lifecycle.build_engine`), never on the driver, whose machine
         may not be the engine's (an address of a worker's machine is no address of the
         driver's). Here: the address this process binds (a ``host`` option, else
         ``WEIGHTSYNC_HOST``, else the Ray node's IP) must be one of this machine's.

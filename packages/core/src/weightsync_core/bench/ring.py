@@ -27,7 +27,7 @@ from weightsync_core.bench.measure import (
 )
 from weightsync_core.engines.ring import RingCheckpointEngine
 from weightsync_core.net.transport import RemoteBuffer
-from weightsync_core.worker.owners import build_engine
+from weightsync_core.worker import build_engine
 
 __all__ = ["RawTransferPeer", "RingBenchmarkResult", "raw_writes", "run_ring_benchmark"]
 

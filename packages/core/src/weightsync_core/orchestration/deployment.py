@@ -23,7 +23,7 @@ from weightsync_core.data.shards import LayoutSpec, resolve_layout
 from weightsync_core.orchestration.local_ray import ensure_ray
 from weightsync_core.orchestration.manager import CheckpointEngineManager
 from weightsync_core.orchestration.ray_group import RayRolloutReplica, RayWorkerGroup
-from weightsync_core.worker.owners import ActorCheckpointEngineMixin, CheckpointEngineWorker
+from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
 __all__ = [
     "Deployment",
@@ -144,7 +144,7 @@ class Deployment:
     started as Ray actors (on this machine, or where ``placement`` says).
 
     Subclasses choose the processes through :attr:`source_class` (an ``actor_wg`` rank:
-    an :class:`~weightsync_core.worker.owners.ActorCheckpointEngineMixin` built from the config)
+    an :class:`~weightsync_core.worker.actor.ActorCheckpointEngineMixin` built from the config)
     and :attr:`worker_class` (a rollout worker built from the config).
 
     Args:

@@ -196,7 +196,7 @@ class CheckpointEngineManager:
 
     default_rollout_group_class: ClassVar[type[CheckpointEngineWorkerGroup]] = RayWorkerGroup
     """The rollout side's worker group for replicas that name no ``worker_group_class``:
-    Ray handles of :class:`~weightsync_core.worker.owners.CheckpointEngineWorker` actors."""
+    Ray handles of :class:`~weightsync_core.worker.rollout.CheckpointEngineWorker` actors."""
 
     def __init__(
         self,

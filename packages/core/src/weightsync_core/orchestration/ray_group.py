@@ -28,7 +28,7 @@ def split_per_rank(method: str, per_rank_kwargs: dict[str, list[Any]], world_siz
 
 class RayWorkerGroup:
     """A list of Ray actor handles whose actors expose ``execute_checkpoint_engine`` and
-    ``update_weights`` (e.g. :class:`~weightsync_core.worker.owners.CheckpointEngineWorker`).
+    ``update_weights`` (e.g. :class:`~weightsync_core.worker.rollout.CheckpointEngineWorker`).
 
     Args:
         workers: the actors' handles, in rank order.

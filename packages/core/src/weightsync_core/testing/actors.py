@@ -29,7 +29,7 @@ from weightsync_core.testing.weights import (
     make_weights,
     sparse_updates,
 )
-from weightsync_core.worker.owners import ActorCheckpointEngineMixin, CheckpointEngineWorker
+from weightsync_core.worker import ActorCheckpointEngineMixin, CheckpointEngineWorker
 
 __all__ = [
     "RecordingRolloutWorker",

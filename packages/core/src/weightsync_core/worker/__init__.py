@@ -1,15 +1,17 @@
-"""Layer 1, the per-process side of a sync: the rollout worker and the actor-side mixin that
-own a process's engine. They run inside Ray actors but import no Ray, so a plain process can
-drive an engine by hand."""
+"""Layer 1, the per-process side of a sync: the rollout worker
+(:mod:`~weightsync_core.worker.rollout`), the actor-side mixin
+(:mod:`~weightsync_core.worker.actor`) and an engine's life in one process
+(:mod:`~weightsync_core.worker.lifecycle`). They run inside Ray actors but import no Ray, so
+a plain process can drive an engine by hand."""
 
-from weightsync_core.worker.owners import (
-    ActorCheckpointEngineMixin,
-    CheckpointEngineWorker,
+from weightsync_core.worker.actor import ActorCheckpointEngineMixin
+from weightsync_core.worker.lifecycle import (
     build_engine,
     built_settings,
     check_on_this_machine,
     close_engine,
 )
+from weightsync_core.worker.rollout import CheckpointEngineWorker
 
 __all__ = [
     "ActorCheckpointEngineMixin",

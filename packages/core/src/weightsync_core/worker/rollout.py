@@ -1,0 +1,217 @@
+"""The rollout side of a sync in one process: :class:`CheckpointEngineWorker` owns the engine
+and feeds what it receives to the inference server's adapter, counted and checked."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
+from weightsync_core.api.engine import (
+    CheckpointEngineWithCache,
+)
+from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.protocols import ServerAdapter
+from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
+from weightsync_core.data.verification import ManifestGuard
+from weightsync_core.worker.delivery import deliver_weights
+from weightsync_core.worker.lifecycle import (
+    build_engine,
+    built_settings,
+    engine_after_abort,
+    execute_engine_method,
+    written_for_verl,
+)
+
+__all__ = ["CheckpointEngineWorker"]
+
+logger = logging.getLogger(__name__)
+
+AdapterT = TypeVar("AdapterT")
+
+
+async def _owned_copies(
+    weights: AsyncIterator[tuple[str, torch.Tensor]],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """``weights`` as tensors of their own (an engine written for verl yields views of its
+    buffers, which its next bucket overwrites while the server may still hold them)."""
+    async for name, tensor in weights:
+        yield name, tensor.clone()
+
+
+class CheckpointEngineWorker:
+    """Rollout-side Ray actor: owns an engine and hands received weights to the server.
+
+    Use as ``ray.remote(CheckpointEngineWorker).remote(config, server_adapter)``. The adapter
+    (or a subclass that sets ``self.server_adapter``) receives ``update_weights(weights_iter,
+    global_steps)``. ``custom_backend_module`` is imported in this process before the
+    backend is resolved.
+
+    Attributes:
+        weights_version: ``global_steps`` of the last complete update (``None`` before one).
+        update_complete: False while an update is running or after one failed part-way.
+    """
+
+    def __init__(
+        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
+    ) -> None:
+        self.config = config
+        self.checkpoint_engine = build_engine(config)
+        self.server_adapter = server_adapter
+        self.weights_version: int | None = None
+        self.update_complete = True
+        self.manifest_guard = ManifestGuard()
+        self.delta_receiver = DeltaReceiver()
+
+    def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
+        """This worker's server adapter, which must be a ``kind``.
+
+        Raises:
+            TypeError: it is something else (or there is none), naming both.
+        """
+        adapter = self.server_adapter
+        if not isinstance(adapter, kind):
+            raise TypeError(f"{type(self).__name__} works through a {kind.__name__}, but its "
+                            f"server adapter is {type(adapter).__name__}")
+        return adapter
+
+    async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
+        :data:`~weightsync_core.api.config.BUILT_SETTINGS` answers what this process's engine
+        was built with (:func:`built_settings`), :data:`~weightsync_core.api.config.DELTA_HELD`
+        the delta version this worker holds a copy of."""
+        if method == "abort" and not kwargs:
+            self.checkpoint_engine = await engine_after_abort(self.checkpoint_engine,
+                                                               self.config)
+            return None
+        if method == BUILT_SETTINGS and not kwargs:
+            return built_settings(self.config, self.checkpoint_engine)
+        if method == DELTA_HELD and not kwargs:
+            return {"version": self.delta_receiver.version, "needs_base": False}
+        if method == "prepare":
+            self._declare_layout()
+        return await execute_engine_method(self.checkpoint_engine, method, kwargs)
+
+    def _declare_layout(self) -> None:
+        """Hand the engine what this worker's server needs (its adapter's optional
+        ``weight_layout()``: a :data:`~weightsync_core.data.shards.LayoutSpec`, None for every
+        tensor whole) where the engine delivers layouts. An adapter whose
+        ``takes_whole_weights`` is true (a vLLM tensor-parallel worker, whose loaders keep
+        its shard of a whole tensor) receives every tensor whole from other engines.
+
+        Raises:
+            WeightSyncError: the server needs only part of the weights, but the engine
+                delivers every tensor whole.
+        """
+        declare = getattr(self.server_adapter, "weight_layout", None)
+        layout = declare() if declare is not None else None
+        engine = self.checkpoint_engine
+        if getattr(engine, "executes_layouts", False):
+            engine.declare_layout(layout)
+        elif layout is not None and not getattr(self.server_adapter, "takes_whole_weights",
+                                                False):
+            raise WeightSyncError(
+                f"{type(self.server_adapter).__name__} needs only part of the weights (its "
+                f"weight_layout() is {layout!r}), but backend {self.config.backend!r} delivers "
+                "every tensor whole; use backend 'gloo_sharded', 'nixl_sharded' or "
+                "'mooncake_sharded'")
+
+    async def update_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
+    ) -> dict[str, float]:
+        """Receive one version of the weights and load it into the server. Unless
+        ``allow_manifest_change``, a tensor whose name, shape or dtype differs from the
+        previous update's is refused (:class:`~weightsync_core.api.errors.ManifestChangedError`).
+
+        ``delta_version`` (a delta-enabled sync, from the manager): keep a host copy of what
+        arrives as that version; with ``delta_base``, what arrives are patches against the
+        version of that token, which this worker must hold
+        (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
+        engine = self.checkpoint_engine
+        plan = DeltaPlan.from_arguments(delta_base, delta_version)
+        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
+                                             in_place=self._patchable_weights(plan))
+        stats = await self._load(weights, global_steps, allow_manifest_change)
+        if plan is not None:
+            stats.update(self.delta_receiver.last_stats.as_dict())
+        return stats
+
+    async def update_weights_from_cache(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Load the actor side's cached latest weights (engines with a cache only)."""
+        engine = self.checkpoint_engine
+        if not isinstance(engine, CheckpointEngineWithCache):
+            raise WeightSyncError(
+                f"backend {self.config.backend!r} keeps no cache of the latest weights; "
+                "new replicas get them from the next update_weights"
+            )
+        self.delta_receiver.forget()
+        return await self._load(engine.get_weights(), global_steps, allow_manifest_change)
+
+    async def _load(
+        self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None,
+        allow_manifest_change: bool,
+    ) -> dict[str, float]:
+        self.update_complete = False
+        self.manifest_guard.start(allow_change=allow_manifest_change)
+        if written_for_verl(self.checkpoint_engine):
+            weights = _owned_copies(weights)
+        stats = await deliver_weights(self.server_adapter, weights, global_steps,
+                                      self.manifest_guard, self.checkpoint_engine.progress)
+        self.update_complete = True
+        self.weights_version = global_steps
+        return stats.as_dict()
+
+    def _patchable_weights(self, plan: DeltaPlan | None) -> Mapping[str, torch.Tensor] | None:
+        """The server's own tensors a delta-enabled sync may patch in place (its adapter's
+        optional ``patchable_weights()``), for a full sync of such a ``plan``; else None."""
+        offer = getattr(self.server_adapter, "patchable_weights", None)
+        if plan is None or plan.is_delta or offer is None:
+            return None
+        return offer()
+
+    def weights_status(self) -> dict[str, Any]:
+        """``{"version": ..., "complete": ..., "delta_version": ..., "delta_kept_bytes":
+        ...}`` of the weights this worker serves (``delta_version``: the token of the
+        version it holds a copy of for delta syncs, or None; ``delta_kept_bytes``: the size
+        of the copies it keeps itself, the server's tensors patched in place not counted)."""
+        return {"version": self.weights_version, "complete": self.update_complete,
+                "delta_version": self.delta_receiver.version,
+                "delta_kept_bytes": self.delta_receiver.kept_bytes}
+
+    async def _adapter_call(self, method: str) -> None:
+        function = getattr(self.server_adapter, method, None)
+        if function is not None:
+            result = function()
+            if inspect.isawaitable(result):
+                await result
+
+    async def abort_all_requests(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("abort_all_requests")
+
+    async def release_kv_cache(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("release_kv_cache")
+
+    async def resume_kv_cache(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("resume_kv_cache")
+
+    async def resume_generation(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("resume_generation")
+
+    async def sleep(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("sleep")
+
+    async def wake_up(self) -> None:
+        """Forward to the server adapter, if it implements it."""
+        await self._adapter_call("wake_up")
