@@ -20,8 +20,9 @@ CONNECT_SECONDS = 10.0
 """The bound weightsync-core documents for reaching a cluster (docs/getting-started.md, "On a
 Ray cluster")."""
 
-TRAIN = [str(Path(sys.executable).parent / "weightsync-train"), "trainer.total_steps=2",
-         "actor.world_size=1", "rollout.num_replicas=1"]
+TRAIN = [str(Path(sys.executable).parent / "weightsync-train"),
+         "trainer.total_training_steps=2", "trainer.n_gpus_per_node=1",
+         "actor_rollout_ref.rollout.num_replicas=1"]
 """The default experiment (GRPO, weights synced with gloo every step), small: one actor
 rank, one replica, two steps."""
 JOB_NUMBER = ("import sys, ray; from weightsync_core import ensure_ray; "
@@ -59,7 +60,7 @@ def _steps(output: Path) -> list[int]:
 
 def test_train_beside_a_users_cluster_starts_its_own_ray(user_cluster, tmp_path):
     before = _drivers_so_far(user_cluster)
-    train = _run([*TRAIN, f"trainer.output_dir={tmp_path}", "trainer.ray_num_cpus=2"])
+    train = _run([*TRAIN, f"trainer.output_dir={tmp_path}", "ray_kwargs.ray_init.num_cpus=2"])
     assert train.returncode == 0, train.stderr[-2000:]
     assert _steps(tmp_path) == [1, 2]
     assert _drivers_so_far(user_cluster) == before + 1  # only the count's own driver

@@ -10,18 +10,19 @@ from weightsync_core import BackendState, CheckpointEngineRegistry
 
 STEPS = 10
 WINDOW = 3
-TOPOLOGY = ["actor.world_size=2", "rollout.num_replicas=2"]
+TOPOLOGY = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_replicas=2"]
+ENGINE = "actor_rollout_ref.rollout.checkpoint_engine"
 
 
 def _run(backend, steps, *extra):
-    return run_experiment([*TOPOLOGY, f"rollout.checkpoint_engine.backend={backend}",
-                           f"trainer.total_steps={steps}", *extra])
+    return run_experiment([*TOPOLOGY, f"{ENGINE}.backend={backend}",
+                           f"trainer.total_training_steps={steps}", *extra])
 
 
 @pytest.fixture(scope="module")
 def gloo_run():
     """gloo with delta sync on: after the first full sync, patches (bit-exact or refused)."""
-    runner, rows = _run("gloo", STEPS, "rollout.checkpoint_engine.delta=true")
+    runner, rows = _run("gloo", STEPS, f"{ENGINE}.delta=true")
     checksums = runner.trainer.weights_checksums()
     checksums["statuses"] = ray.get([
         worker.weights_status.remote()
@@ -34,7 +35,8 @@ def gloo_run():
 def noop_run():
     runner, rows = _run(
         "gloo", STEPS,
-        "rollout.checkpoint_manager_class=trainer_test_plugins.managers.NoOpCheckpointEngineManager",
+        "actor_rollout_ref.rollout.checkpoint_manager_class="
+        "trainer_test_plugins.managers.NoOpCheckpointEngineManager",
     )
     checksums = runner.trainer.weights_checksums()
     runner.trainer.shutdown()
@@ -86,7 +88,7 @@ def test_same_run_with_every_landed_backend(backend):
     """Delta sync on: patches, bit-exact, with each actor rank keeping at most its half of
     the last version (kimi's ranks: their own shares; the ring engines' ranks: a slice each
     of every tensor)."""
-    runner, rows = _run(backend, 3, "rollout.checkpoint_engine.delta=true")
+    runner, rows = _run(backend, 3, f"{ENGINE}.delta=true")
     try:
         checksums = runner.trainer.weights_checksums()
     finally:
@@ -114,11 +116,12 @@ def test_sharded_delivery_from_both_fsdp_ranks():
 
 
 def test_tensor_parallel_replicas_receive_only_their_slices():
-    """rollout.tensor_parallel_size=2 over gloo_sharded: 2 replicas of 2 workers, each
-    receiving only its slices (the two replicas' workers relaying them to each other); each
-    worker serves the actor's weights once its replica's slices are assembled, and the
-    reward rises."""
-    runner, rows = _run("gloo_sharded", 3, "rollout.tensor_parallel_size=2")
+    """actor_rollout_ref.rollout.tensor_model_parallel_size=2 over gloo_sharded: 2 replicas
+    of 2 workers, each receiving only its slices (the two replicas' workers relaying them to
+    each other); each worker serves the actor's weights once its replica's slices are
+    assembled, and the reward rises."""
+    runner, rows = _run("gloo_sharded", 3,
+                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     try:
         checksums = runner.trainer.weights_checksums()
         shapes = ray.get(runner.trainer.actor_wg.call_all("weight_shapes"))[0]

@@ -26,17 +26,18 @@ STEPS = 3
 ACTOR_CONTEXT = {"run": {"tags": ["a", "b"], "depth": {"level": 2}}, "scale": torch.arange(4.0)}
 CRITIC_CONTEXT = {"baseline": torch.tensor([[1.5, -2.0]]), "nested": {"k": [1, {"x": None}]}}
 OVERRIDES = [
-    "algorithm.name=ppo",
-    "actor.world_size=1",
+    "algorithm.adv_estimator=gae",
+    "trainer.n_gpus_per_node=1",
     "critic.world_size=1",
-    "rollout.num_replicas=1",
-    "rollout.workers_per_replica=2",
-    "rollout.name=not-a-registered-server",
-    "rollout.checkpoint_engine.backend=trainer_test_gloo",
-    "rollout.checkpoint_engine.custom_backend_module=trainer_test_plugins.backend",
-    "rollout.checkpoint_manager_class="
+    "actor_rollout_ref.rollout.num_replicas=1",
+    "actor_rollout_ref.rollout.workers_per_replica=2",
+    "actor_rollout_ref.rollout.name=not-a-registered-server",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=trainer_test_gloo",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module="
+    "trainer_test_plugins.backend",
+    "actor_rollout_ref.rollout.checkpoint_manager_class="
     "trainer_test_plugins.managers.RecordingCheckpointEngineManager",
-    f"trainer.total_steps={STEPS}",
+    f"trainer.total_training_steps={STEPS}",
 ]
 
 
@@ -108,14 +109,16 @@ def test_checkpoint_manager_class_from_config_is_used(hooked):
 
 def test_non_subclass_manager_is_refused_before_any_worker_starts():
     config = load_config(overrides=[
-        "rollout.checkpoint_manager_class=trainer_test_plugins.managers.NotAManager"
+        "actor_rollout_ref.rollout.checkpoint_manager_class="
+        "trainer_test_plugins.managers.NotAManager"
     ])
     with pytest.raises(PluginError, match=r"is not a subclass of .*CheckpointEngineManager"):
         RayPPOTrainer(config)
 
 
 def test_path_like_manager_class_is_refused():
-    config = load_config(overrides=["rollout.checkpoint_manager_class=./managers.py:Manager"])
+    config = load_config(overrides=[
+        "actor_rollout_ref.rollout.checkpoint_manager_class=./managers.py:Manager"])
     with pytest.raises(PluginError, match="file path"):
         RayPPOTrainer(config)
 
@@ -143,7 +146,7 @@ def test_extra_context_reaches_actor_and_critic_processes(hooked):
 
 
 def test_critic_context_comes_from_trainer_attribute():
-    trainer = RayPPOTrainer(load_config(overrides=["algorithm.name=ppo"]))
+    trainer = RayPPOTrainer(load_config(overrides=["algorithm.adv_estimator=gae"]))
     assert trainer.worker_config("critic").extra_context == {}
     trainer._critic_extra_context = {"from": "trainer"}
     assert trainer.worker_config("critic").extra_context == {"from": "trainer"}
@@ -159,14 +162,14 @@ def test_manager_subclass_skips_registry_and_uses_its_balancer(hooked):
 
 
 def test_unknown_rollout_name_without_subclass_is_a_clear_error():
-    config = load_config(overrides=["rollout.name=vllmm"])
+    config = load_config(overrides=["actor_rollout_ref.rollout.name=vllmm"])
     with pytest.raises(ValueError, match=r"rollout\.name=.vllmm. is not a known rollout server"):
         LLMServerManager(config)
 
 
 def test_vllm_rollout_without_weightsync_vllm_names_the_package_to_install():
     # the trainer's own environment has no weightsync-vllm
-    config = load_config(overrides=["rollout.name=vllm"])
+    config = load_config(overrides=["actor_rollout_ref.rollout.name=vllm"])
     with pytest.raises(ValueError, match=r"rollout\.name='vllm' needs .*weightsync-vllm\[cpu"):
         LLMServerManager(config)
 
@@ -175,9 +178,9 @@ def test_client_subclass_routes_itself_without_a_balancer(hooked):
     trainer, _, _ = hooked
     replicas = trainer.server_manager.replicas
     client = RoundRobinClient(trainer.config, servers=replicas)
-    prompts = torch.zeros(4, trainer.config.task.prompt_length, dtype=torch.long)
+    prompts = torch.zeros(4, trainer.config.data.max_prompt_length, dtype=torch.long)
     out = run_sync(client.generate(prompts, request_id="self-routed", seed=1))
-    assert out.shape == (4, trainer.config.task.response_length)
+    assert out.shape == (4, trainer.config.data.max_response_length)
     assert client.routed == [replicas[0].name]
     made = trainer.server_manager.get_client(client_cls=RoundRobinClient)
     assert type(made) is RoundRobinClient
@@ -186,7 +189,7 @@ def test_client_subclass_routes_itself_without_a_balancer(hooked):
 def test_base_client_without_balancer_fails_clearly_on_first_request():
     config = load_config()
     client = LLMServerClient(config)  # constructing it is fine
-    prompts = torch.zeros(2, config.task.prompt_length, dtype=torch.long)
+    prompts = torch.zeros(2, config.data.max_prompt_length, dtype=torch.long)
     with pytest.raises(NoLoadBalancerError, match="override _acquire_server"):
         asyncio.run(client.generate(prompts, request_id="r1", seed=0))
 

@@ -85,4 +85,4 @@ def test_a_model_that_cannot_be_split_is_refused():
     with pytest.raises(ConfigError, match="num_attention_heads 2 does not divide into 4"):
         TensorParallelGenerationServer(ModelConfig(), 1.0, None, 4, 0)
     with pytest.raises(ConfigError, match="tensor-parallel replica's workers split one model"):
-        RolloutConfig(tensor_parallel_size=2, workers_per_replica=2)
+        RolloutConfig(tensor_model_parallel_size=2, workers_per_replica=2)

@@ -2,7 +2,8 @@
 moves weights to its rollout replicas with weightsync checkpoint engines.
 
 The training-side worker group is ``actor_wg``; extension points follow verl:
-``rollout.checkpoint_manager_class``, ``rollout.checkpoint_engine.custom_backend_module``,
+``actor_rollout_ref.rollout.checkpoint_manager_class``,
+``actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module``,
 ``TrainingWorkerConfig.extra_context`` (injected per role by a :class:`TaskRunner` subclass),
 :class:`LLMServerClient` without a load balancer, and :class:`LLMServerManager` subclasses.
 """
@@ -17,11 +18,15 @@ if TYPE_CHECKING:
     from weightsync_trainer.balancer import GlobalRequestLoadBalancer
     from weightsync_trainer.config import (
         ActorConfig,
+        ActorRolloutRefConfig,
         AlgorithmConfig,
         CriticConfig,
+        DataConfig,
         ExperimentConfig,
         ModelConfig,
         OptimConfig,
+        RayInitConfig,
+        RayKwargsConfig,
         RolloutConfig,
         TaskConfig,
         TrainerConfig,
@@ -43,8 +48,10 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "GlobalRequestLoadBalancer": "balancer",
     **dict.fromkeys(
-        ["ActorConfig", "AlgorithmConfig", "CriticConfig", "ExperimentConfig", "ModelConfig",
-         "OptimConfig", "RolloutConfig", "TaskConfig", "TrainerConfig", "TrainingWorkerConfig"],
+        ["ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "CriticConfig",
+         "DataConfig", "ExperimentConfig", "ModelConfig", "OptimConfig", "RayInitConfig",
+         "RayKwargsConfig", "RolloutConfig", "TaskConfig", "TrainerConfig",
+         "TrainingWorkerConfig"],
         "config",
     ),
     "load_config": "config_loader",
@@ -73,9 +80,11 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "ActorConfig",
+    "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "ConfigError",
     "CriticConfig",
+    "DataConfig",
     "ExperimentConfig",
     "GlobalRequestLoadBalancer",
     "HFRolloutReplica",
@@ -84,6 +93,8 @@ __all__ = [
     "ModelConfig",
     "NoLoadBalancerError",
     "OptimConfig",
+    "RayInitConfig",
+    "RayKwargsConfig",
     "RayPPOTrainer",
     "RolloutConfig",
     "TaskConfig",

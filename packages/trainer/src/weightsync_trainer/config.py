@@ -1,11 +1,21 @@
 """Configuration dataclasses of an experiment, validated on construction.
 
-Defaults live in ``default.yaml`` next to this module; :mod:`weightsync_trainer.config_loader`
-merges a user YAML file and ``a.b.c=value`` overrides into them and builds these classes.
+The tree follows verl's (``verl/trainer/config/ppo_trainer.yaml``): every setting verl has is
+at verl's key path (``actor_rollout_ref.rollout.checkpoint_engine.backend``,
+``trainer.total_training_steps``, ``algorithm.adv_estimator``, ...); the settings verl has not
+(the random model's size, the synthetic task, the replicas, the Ray address) sit beside them.
+The defaults live in ``conf/ppo_trainer.yaml`` next to this module;
+:mod:`weightsync_trainer.config_loader` composes it with a user's YAML file and Hydra
+overrides and builds these classes.
+
+A check that concerns one section names its keys relative to that section
+(``lr must be > 0``); the loader prefixes the section's path
+(``actor_rollout_ref.actor.optim.lr must be > 0``). Checks across sections name full paths.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,38 +23,47 @@ from weightsync_core import CheckpointEngineConfig
 from weightsync_trainer.errors import ConfigError
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "ActorConfig",
+    "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "CriticConfig",
+    "DataConfig",
     "ExperimentConfig",
     "ModelConfig",
     "OptimConfig",
+    "RayInitConfig",
+    "RayKwargsConfig",
     "RolloutConfig",
     "TaskConfig",
     "TrainerConfig",
     "TrainingWorkerConfig",
 ]
 
-ALGORITHMS = ("grpo", "ppo")
+ADV_ESTIMATORS = ("gae", "grpo")
+"""``algorithm.adv_estimator`` values: ``grpo`` (group-relative advantages, no critic) and
+``gae`` (PPO: a critic and generalised advantage estimation), as verl names them."""
 
 
-def _positive(owner: str, **values: float) -> None:
+def _positive(**values: float | None) -> None:
     for name, value in values.items():
-        if not value > 0:
-            raise ConfigError(f"{owner}.{name} must be > 0, got {value!r}")
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
 @dataclass
 class ModelConfig:
-    """The Hugging Face causal LM trained by the actor and served by the rollout.
+    """``actor_rollout_ref.model``: the Hugging Face causal LM trained by the actor and served
+    by the rollout.
 
     With ``path`` unset the model is built from ``model_type`` and the size fields (random
     initialisation from ``seed``, no download); with ``path`` set it is loaded with
-    ``from_pretrained(path)`` and the size fields are ignored.
+    ``from_pretrained(path)`` and the size fields are ignored. ``path`` is verl's key; the
+    others are this trainer's.
     """
 
-    model_type: str = "llama"
     path: str | None = None
+    model_type: str = "llama"
     vocab_size: int = 16
     hidden_size: int = 32
     intermediate_size: int = 64
@@ -56,7 +75,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive(
-            "model", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
@@ -64,133 +83,94 @@ class ModelConfig:
         )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
-                f"model.hidden_size ({self.hidden_size}) must be a multiple of "
-                f"model.num_attention_heads ({self.num_attention_heads})"
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"model.num_key_value_heads ({self.num_key_value_heads})"
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
             )
-
-
-@dataclass
-class TaskConfig:
-    """The synthetic task: reward = fraction of response tokens equal to ``target_token``."""
-
-    prompt_length: int = 4
-    response_length: int = 8
-    target_token: int = 3
-
-    def __post_init__(self) -> None:
-        _positive("task", prompt_length=self.prompt_length,
-                  response_length=self.response_length)
-        if self.target_token < 0:
-            raise ConfigError(f"task.target_token must be >= 0, got {self.target_token}")
-
-
-@dataclass
-class AlgorithmConfig:
-    """Policy-gradient settings shared by GRPO and PPO.
-
-    ``group_size`` responses are sampled per prompt (GRPO's group; PPO samples as many). The
-    batch of every step is split into ``ppo_mini_batches`` optimiser steps, repeated
-    ``ppo_epochs`` times. ``gamma``/``lam``/``value_clip`` are used by PPO only.
-    """
-
-    name: str = "grpo"
-    group_size: int = 8
-    clip_ratio: float = 0.2
-    ppo_epochs: int = 1
-    ppo_mini_batches: int = 2
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.name not in ALGORITHMS:
-            raise ConfigError(
-                f"algorithm.name must be one of {', '.join(ALGORITHMS)}, got {self.name!r}"
-            )
-        _positive("algorithm", group_size=self.group_size, clip_ratio=self.clip_ratio,
-                  ppo_epochs=self.ppo_epochs, ppo_mini_batches=self.ppo_mini_batches,
-                  value_clip=self.value_clip)
-        if self.name == "grpo" and self.group_size < 2:
-            raise ConfigError(
-                "algorithm.group_size must be >= 2 for GRPO (advantages are relative to the "
-                f"group), got {self.group_size}"
-            )
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(
-                    f"algorithm.{name} must be in [0, 1], got {getattr(self, name)!r}"
-                )
 
 
 @dataclass
 class OptimConfig:
-    """AdamW settings of one training worker group."""
+    """``actor_rollout_ref.actor.optim`` and ``critic.optim``: AdamW of one training worker
+    group, with gradients clipped to norm ``clip_grad`` (verl's keys)."""
 
     lr: float = 1e-2
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    clip_grad: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr, max_grad_norm=self.max_grad_norm)
+        _positive(lr=self.lr, clip_grad=self.clip_grad)
         if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+
+    @property
+    def max_grad_norm(self) -> float:
+        """Deprecated name of :attr:`clip_grad` (until 0.8)."""
+        return self.clip_grad
+
+
+def _mini_batch_checks(ppo_epochs: int, ppo_mini_batch_size: int) -> None:
+    _positive(ppo_epochs=ppo_epochs, ppo_mini_batch_size=ppo_mini_batch_size)
 
 
 @dataclass
 class ActorConfig:
-    """The ``actor_wg``: ``world_size`` ranks, the model sharded across them with FSDP2."""
+    """``actor_rollout_ref.actor``: the policy update of ``actor_wg``.
 
-    world_size: int = 2
+    Attributes:
+        optim: the optimiser.
+        clip_ratio: the clipped surrogate's epsilon.
+        ppo_epochs: passes over each step's batch.
+        ppo_mini_batch_size: prompts per optimiser step (verl's unit: each brings its
+            ``actor_rollout_ref.rollout.n`` responses); ``data.train_batch_size`` must be a
+            multiple of it.
+    """
+
     optim: OptimConfig = field(default_factory=OptimConfig)
+    clip_ratio: float = 0.2
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 4
 
     def __post_init__(self) -> None:
-        _positive("actor", world_size=self.world_size)
-
-
-@dataclass
-class CriticConfig:
-    """The critic (value model) worker group; created only for ``algorithm.name=ppo``."""
-
-    world_size: int = 1
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-    def __post_init__(self) -> None:
-        _positive("critic", world_size=self.world_size)
+        _positive(clip_ratio=self.clip_ratio)
+        _mini_batch_checks(self.ppo_epochs, self.ppo_mini_batch_size)
 
 
 @dataclass
 class RolloutConfig:
-    """The rollout replicas and how weights reach them.
+    """``actor_rollout_ref.rollout``: the rollout replicas and how weights reach them.
 
     Attributes:
         name: rollout server implementation, looked up in
             :data:`weightsync_trainer.llm_server.ROLLOUT_REPLICA_CLASSES` (``hf``, ``vllm``).
-        num_replicas: inference server instances (disaggregated mode; in colocated mode
-            every actor rank serves one replica).
-        workers_per_replica: rollout worker processes per replica, each with a full model
-            copy; a replica splits each request's prompts across them.
-        tensor_parallel_size: rollout workers per replica that split its model as vLLM's
+        n: responses sampled per prompt (GRPO's group).
+        temperature: sampling temperature.
+        tensor_model_parallel_size: rollout workers per replica that split its model as vLLM's
             tensor parallelism does (``llama``/``qwen2`` models; ``workers_per_replica`` must
             then be 1): each receives only its slices from a sharded backend
             (``gloo_sharded``, ``nixl_sharded``, ``mooncake_sharded``) and keeps its slices
             of whole tensors from the others; the replica's first worker generates, with
             the others' slices assembled.
-        temperature: sampling temperature.
+        num_replicas: inference server instances (disaggregated mode; in colocated mode
+            every actor rank serves one replica). Not a verl key.
+        workers_per_replica: rollout worker processes per replica, each with a full model
+            copy; a replica splits each request's prompts across them. Not a verl key.
         checkpoint_manager_class: fully-qualified name of a ``CheckpointEngineManager``
-            subclass built instead of the default (``None``: the default).
+            subclass built instead of the default (``None``: the default); verl reads the
+            same key.
         checkpoint_engine: the weight-sync configuration of weightsync-core.
     """
 
     name: str = "hf"
+    n: int = 8
+    temperature: float = 1.0
+    tensor_model_parallel_size: int = 1
     num_replicas: int = 2
     workers_per_replica: int = 1
-    tensor_parallel_size: int = 1
-    temperature: float = 1.0
     checkpoint_manager_class: str | None = None
     checkpoint_engine: CheckpointEngineConfig = field(
         default_factory=lambda: CheckpointEngineConfig(
@@ -199,95 +179,263 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive("rollout", num_replicas=self.num_replicas,
-                  workers_per_replica=self.workers_per_replica,
-                  tensor_parallel_size=self.tensor_parallel_size, temperature=self.temperature)
-        if self.tensor_parallel_size > 1 and self.workers_per_replica != 1:
+        _positive(n=self.n, temperature=self.temperature,
+                  tensor_model_parallel_size=self.tensor_model_parallel_size,
+                  num_replicas=self.num_replicas, workers_per_replica=self.workers_per_replica)
+        if self.tensor_model_parallel_size > 1 and self.workers_per_replica != 1:
             raise ConfigError(
-                f"rollout.tensor_parallel_size={self.tensor_parallel_size} with "
-                f"rollout.workers_per_replica={self.workers_per_replica}: a tensor-parallel "
+                f"tensor_model_parallel_size={self.tensor_model_parallel_size} with "
+                f"workers_per_replica={self.workers_per_replica}: a tensor-parallel "
                 "replica's workers split one model; set workers_per_replica=1")
 
 
 @dataclass
-class TrainerConfig:
-    """The training loop.
+class ActorRolloutRefConfig:
+    """``actor_rollout_ref``: the model, its training (``actor``) and its serving
+    (``rollout``), as verl groups them."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+@dataclass
+class CriticConfig:
+    """``critic``: the value model's worker group; created only for
+    ``algorithm.adv_estimator=gae``.
 
     Attributes:
-        total_steps: training steps (each: generate, reward, update, sync).
-        prompts_per_step: prompts per step; each is sampled ``algorithm.group_size`` times.
+        world_size: its FSDP2 ranks (verl's critic shares the actor's GPUs; this trainer
+            gives it its own ranks). Not a verl key.
+        optim: the optimiser.
+        ppo_epochs, ppo_mini_batch_size: as the actor's (the packaged defaults interpolate
+            them from ``actor_rollout_ref.actor``, as verl's do).
+        cliprange_value: the clipped value loss's range.
+    """
+
+    world_size: int = 1
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 4
+    cliprange_value: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive(world_size=self.world_size, cliprange_value=self.cliprange_value)
+        _mini_batch_checks(self.ppo_epochs, self.ppo_mini_batch_size)
+
+
+@dataclass
+class DataConfig:
+    """``data``: the prompts of each step.
+
+    Attributes:
+        train_batch_size: prompts per step; each is sampled ``actor_rollout_ref.rollout.n``
+            times.
+        max_prompt_length: tokens per prompt (the synthetic task's prompts all have this
+            length).
+        max_response_length: tokens per response (responses always have this length: the
+            model has no EOS).
+    """
+
+    train_batch_size: int = 8
+    max_prompt_length: int = 4
+    max_response_length: int = 8
+
+    def __post_init__(self) -> None:
+        _positive(train_batch_size=self.train_batch_size,
+                  max_prompt_length=self.max_prompt_length,
+                  max_response_length=self.max_response_length)
+
+
+@dataclass
+class TaskConfig:
+    """``task``: the synthetic task, reward = fraction of response tokens equal to
+    ``target_token``. Not a verl section."""
+
+    target_token: int = 3
+
+    def __post_init__(self) -> None:
+        if self.target_token < 0:
+            raise ConfigError(f"target_token must be >= 0, got {self.target_token}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm``: the advantage estimator and GAE's discounting.
+
+    Attributes:
+        adv_estimator: ``grpo`` (advantages relative to each prompt's group) or ``gae`` (PPO:
+            a critic, generalised advantage estimation).
+        gamma, lam: GAE's discount and lambda (``gae`` only).
+    """
+
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            hint = " (PPO with a critic is gae, as in verl)" if self.adv_estimator == "ppo" else ""
+            raise ConfigError(
+                f"adv_estimator must be one of {', '.join(ADV_ESTIMATORS)}, got "
+                f"{self.adv_estimator!r}{hint}"
+            )
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+
+    @property
+    def name(self) -> str:
+        """Deprecated (until 0.8): ``"ppo"`` for ``gae``, else :attr:`adv_estimator`."""
+        return "ppo" if self.adv_estimator == "gae" else self.adv_estimator
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: the training loop.
+
+    Attributes:
+        total_training_steps: training steps (each: generate, reward, update, sync).
+        nnodes, n_gpus_per_node: the actor's ranks are ``nnodes * n_gpus_per_node`` (verl's
+            keys; here each rank is a CPU process).
         seed: seeds prompts and sampling.
         output_dir: where the CLI writes metrics, the plot and the weights
             (``None``: ``outputs/<timestamp>``).
         torch_threads: intra-op threads per worker process (keep the total within the cores).
-        ray_num_cpus: CPUs of the local Ray instance the CLI starts (``None``: all).
         ray_address: a running Ray cluster for the CLI to connect to (``HOST:PORT``, or
             ``auto``: the one ``ray start`` started on this machine); ``None``: the
             ``RAY_ADDRESS`` environment variable, else a private local instance (beside any
             cluster running on the machine).
     """
 
-    total_steps: int = 30
-    prompts_per_step: int = 8
+    total_training_steps: int = 30
+    nnodes: int = 1
+    n_gpus_per_node: int = 2
     seed: int = 0
     output_dir: str | None = None
     torch_threads: int = 1
-    ray_num_cpus: int | None = None
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("trainer", total_steps=self.total_steps,
-                  prompts_per_step=self.prompts_per_step, torch_threads=self.torch_threads)
-        if self.ray_num_cpus is not None:
-            _positive("trainer", ray_num_cpus=self.ray_num_cpus)
+        _positive(total_training_steps=self.total_training_steps, nnodes=self.nnodes,
+                  n_gpus_per_node=self.n_gpus_per_node, torch_threads=self.torch_threads)
+
+
+@dataclass
+class RayInitConfig:
+    """``ray_kwargs.ray_init``: the local Ray instance the CLI starts.
+
+    Attributes:
+        num_cpus: its CPUs (``None``: all of the machine's).
+    """
+
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(num_cpus=self.num_cpus)
+
+
+@dataclass
+class RayKwargsConfig:
+    """``ray_kwargs``: how the CLI starts Ray."""
+
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 
 
 @dataclass
 class ExperimentConfig:
     """Everything one run needs; cross-section constraints are checked here."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
 
     def __post_init__(self) -> None:
-        if self.task.target_token >= self.model.vocab_size:
+        model = self.actor_rollout_ref.model
+        if self.task.target_token >= model.vocab_size:
             raise ConfigError(
-                f"task.target_token ({self.task.target_token}) must be < model.vocab_size "
-                f"({self.model.vocab_size})"
+                f"task.target_token ({self.task.target_token}) must be < "
+                f"actor_rollout_ref.model.vocab_size ({model.vocab_size})"
             )
-        length = self.task.prompt_length + self.task.response_length
-        if length > self.model.max_position_embeddings:
+        length = self.data.max_prompt_length + self.data.max_response_length
+        if length > model.max_position_embeddings:
             raise ConfigError(
-                f"task.prompt_length + task.response_length ({length}) exceeds "
-                f"model.max_position_embeddings ({self.model.max_position_embeddings})"
+                f"data.max_prompt_length + data.max_response_length ({length}) exceeds "
+                f"actor_rollout_ref.model.max_position_embeddings "
+                f"({model.max_position_embeddings})"
             )
-        sequences = self.sequences_per_step
-        groups = [("actor", self.actor.world_size)]
+        if self.algorithm.adv_estimator == "grpo" and self.actor_rollout_ref.rollout.n < 2:
+            raise ConfigError(
+                "actor_rollout_ref.rollout.n must be >= 2 for algorithm.adv_estimator=grpo "
+                f"(advantages are relative to the group), got {self.actor_rollout_ref.rollout.n}"
+            )
+        groups = [("actor_rollout_ref.actor", self.actor_rollout_ref.actor.ppo_mini_batch_size,
+                   "trainer.nnodes * trainer.n_gpus_per_node", self.actor_world_size)]
         if self.uses_critic:
-            groups.append(("critic", self.critic.world_size))
-        for role, world_size in groups:
-            if sequences % (world_size * self.algorithm.ppo_mini_batches):
-                raise ConfigError(
-                    f"each step samples trainer.prompts_per_step * algorithm.group_size = "
-                    f"{sequences} sequences, which must split evenly into {role}.world_size "
-                    f"({world_size}) * algorithm.ppo_mini_batches "
-                    f"({self.algorithm.ppo_mini_batches}) parts; change one of them"
-                )
+            groups.append(("critic", self.critic.ppo_mini_batch_size, "critic.world_size",
+                           self.critic.world_size))
+        for section, mini_batch, ranks, world_size in groups:
+            self._check_mini_batches(section, mini_batch, ranks, world_size)
+
+    def _check_mini_batches(self, section: str, mini_batch: int, ranks: str,
+                            world_size: int) -> None:
+        prompts = self.data.train_batch_size
+        if prompts % mini_batch:
+            raise ConfigError(
+                f"data.train_batch_size ({prompts}) must be a multiple of "
+                f"{section}.ppo_mini_batch_size ({mini_batch}): each step's prompts are "
+                "split into mini-batches of that many prompts; change one of them"
+            )
+        sequences = mini_batch * self.actor_rollout_ref.rollout.n
+        if sequences % world_size:
+            raise ConfigError(
+                f"each mini-batch holds {section}.ppo_mini_batch_size * "
+                f"actor_rollout_ref.rollout.n = {sequences} sequences, which must split "
+                f"evenly over the {world_size} ranks of {ranks}; change one of them"
+            )
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the algorithm needs a critic worker group."""
-        return self.algorithm.name == "ppo"
+        """Whether the algorithm needs a critic worker group (``adv_estimator=gae``)."""
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def actor_world_size(self) -> int:
+        """Ranks of ``actor_wg``: ``trainer.nnodes * trainer.n_gpus_per_node``."""
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
 
     @property
     def sequences_per_step(self) -> int:
         """Responses sampled per step."""
-        return self.trainer.prompts_per_step * self.algorithm.group_size
+        return self.data.train_batch_size * self.actor_rollout_ref.rollout.n
+
+    def ppo_mini_batches(self, role: str) -> int:
+        """Optimiser steps per epoch of ``role`` (``actor`` or ``critic``)."""
+        section = self.actor_rollout_ref.actor if role == "actor" else self.critic
+        return self.data.train_batch_size // section.ppo_mini_batch_size
+
+    @property
+    def model(self) -> ModelConfig:
+        """Deprecated (until 0.8): :attr:`actor_rollout_ref.model
+        <ActorRolloutRefConfig.model>`."""
+        _moved("ExperimentConfig.model", "actor_rollout_ref.model")
+        return self.actor_rollout_ref.model
+
+    @property
+    def rollout(self) -> RolloutConfig:
+        """Deprecated (until 0.8): :attr:`actor_rollout_ref.rollout
+        <ActorRolloutRefConfig.rollout>`."""
+        _moved("ExperimentConfig.rollout", "actor_rollout_ref.rollout")
+        return self.actor_rollout_ref.rollout
+
+
+def _moved(old: str, new: str) -> None:
+    warnings.warn(f"{old} is now ExperimentConfig.{new} (verl's key path); the old name "
+                  "works until weightsync-trainer 0.8", DeprecationWarning, stacklevel=3)
 
 
 @dataclass
@@ -300,10 +448,13 @@ class TrainingWorkerConfig:
         model_type: ``"causal_lm"`` (actor) or ``"value_model"`` (critic).
         model: the model definition.
         optim: optimiser settings.
-        algorithm: loss settings.
         world_size: ranks in this worker group (FSDP2 shards across them).
         checkpoint_engine: weight-sync configuration; every worker imports its
             ``custom_backend_module`` before the backend is resolved.
+        ppo_epochs: passes over each step's batch.
+        ppo_mini_batches: optimiser steps per pass (the batch split evenly).
+        clip_ratio: the policy loss's clip (actor).
+        cliprange_value: the value loss's clip (critic).
         temperature: the rollout's sampling temperature (log-probabilities use it; a
             colocated actor also samples with it).
         torch_threads: intra-op threads of the worker process.
@@ -314,9 +465,12 @@ class TrainingWorkerConfig:
     model_type: str
     model: ModelConfig
     optim: OptimConfig
-    algorithm: AlgorithmConfig
     world_size: int
     checkpoint_engine: CheckpointEngineConfig
+    ppo_epochs: int = 1
+    ppo_mini_batches: int = 1
+    clip_ratio: float = 0.2
+    cliprange_value: float = 0.5
     temperature: float = 1.0
     torch_threads: int = 1
     extra_context: dict[str, Any] = field(default_factory=dict)

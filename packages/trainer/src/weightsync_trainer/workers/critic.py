@@ -38,7 +38,7 @@ class CriticWorker(TrainingWorker):
         def loss_fn(rows: slice):
             values = self._values(input_ids[rows], length)
             loss = value_loss(
-                values, old_values[rows], returns[rows], self.config.algorithm.value_clip
+                values, old_values[rows], returns[rows], self.config.cliprange_value
             )
             return loss, {"critic/value_loss": loss.detach()}
 

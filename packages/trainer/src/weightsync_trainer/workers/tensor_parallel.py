@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.shards import (
+from weightsync_core.data.shards import (
     DecoderShape,
     Layout,
     LayoutSpec,
@@ -54,8 +54,8 @@ class TensorParallelGenerationServer(HFGenerationServer):
         hf_config = self.model.config
         if hf_config.model_type not in TENSOR_PARALLEL_MODEL_TYPES:
             raise ConfigError(
-                f"rollout.tensor_parallel_size={tp_size} needs a model of type "
-                f"{' or '.join(sorted(TENSOR_PARALLEL_MODEL_TYPES))}, got "
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} needs a model "
+                f"of type {' or '.join(sorted(TENSOR_PARALLEL_MODEL_TYPES))}, got "
                 f"{hf_config.model_type!r}")
         try:
             self.layout_spec: LayoutSpec = tensor_parallel_spec(
@@ -64,7 +64,8 @@ class TensorParallelGenerationServer(HFGenerationServer):
             self.layout: Layout = resolve_layout(self.layout_spec, shapes,
                                                  f"tensor-parallel rank {tp_rank}")
         except ValueError as exc:
-            raise ConfigError(f"rollout.tensor_parallel_size={tp_size}: {exc}") from None
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size}: {exc}") from None
         self.tp_rank = tp_rank
         self.peers: Sequence[Any] = ()
         self._whole_version: int | None = None

@@ -120,8 +120,8 @@ class TrainingWorker:
         """``ppo_epochs`` passes of ``ppo_mini_batches`` optimiser steps over this rank's
         shard; ``loss_fn(rows)`` returns the loss and metrics of those rows. Returns the mean
         of every metric plus the gradient norm."""
-        algorithm = self.config.algorithm
-        size = batch_size // algorithm.ppo_mini_batches
+        config = self.config
+        size = batch_size // config.ppo_mini_batches
         sums: dict[str, float] = {}
         count = 0
         model = self._built_model()
@@ -132,13 +132,13 @@ class TrainingWorker:
             )
         optimizer = self.optimizer
         model.train()
-        for _ in range(algorithm.ppo_epochs):
+        for _ in range(config.ppo_epochs):
             for start in range(0, batch_size, size):
                 loss, metrics = loss_fn(slice(start, start + size))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), self.config.optim.max_grad_norm
+                    model.parameters(), config.optim.clip_grad
                 )
                 if isinstance(norm, DTensor):
                     norm = norm.full_tensor()
