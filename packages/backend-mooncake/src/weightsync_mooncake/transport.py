@@ -6,7 +6,7 @@ use.
 
 Mooncake (0.3.x) binds its two listeners, the handshake (RPC) port and the TCP transport's
 data port, to every interface whatever ``host`` says, and offers no setting to change that;
-see the threat model in weightsync-core's README for what that exposes and how weightsync
+see the threat model in the docs (``docs/security.md``) for what that exposes and how weightsync
 detects tampering. :meth:`MooncakeTransport.close` closes both.
 """
 

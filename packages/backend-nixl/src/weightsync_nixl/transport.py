@@ -95,7 +95,7 @@ def _native_agent(name: str, progress_delay_us: int) -> Any:
     waits up to ``progress_delay_us`` for events between passes.
 
     ``nixl_agent`` always asks for a delay of 0, a progress thread that spins on one CPU
-    core for the agent's whole life (see the package README). The wrapper has no parameter
+    core for the agent's whole life (see ``docs/backends/nixl.md``). The wrapper has no parameter
     for it, so its native agent, created with no backend yet, is replaced by this one before
     any backend starts.
     """

@@ -37,7 +37,7 @@ MEASURED_CPU_COSTS: Mapping[str, EngineCosts] = {
 }
 """Engine costs beyond the wire with buckets in host memory over TCP, fitted
 (``weightsync-testbed fit``) from the 1-host cells of the testbed's 1 Gbit/s runs with 64 and
-8 MiB buckets (see the core README, "Predicted and measured on the testbed")."""
+8 MiB buckets (see ``docs/planner.md``, "Predicted and measured on the testbed")."""
 
 ASSUMED_GPU_COSTS: Mapping[str, EngineCosts] = {
     **{name: EngineCosts(per_bucket=0.001) for name in ("nccl", "hccl", "nixl", "mooncake",

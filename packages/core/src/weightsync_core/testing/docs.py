@@ -67,9 +67,9 @@ def check_documented_options(path: Path, table_backend: str | None = None) -> li
     Raises:
         AssertionError: naming the file, line, backend and the refusal.
     """
-    from weightsync_core.config import CheckpointEngineConfig
-    from weightsync_core.errors import WeightSyncError
-    from weightsync_core.registry import CheckpointEngineRegistry
+    from weightsync_core.api.config import CheckpointEngineConfig
+    from weightsync_core.api.errors import WeightSyncError
+    from weightsync_core.api.registry import CheckpointEngineRegistry
 
     text = path.read_text()
     checked = []

@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import pytest
 import ray
 
-from weightsync_core.config import CheckpointEngineConfig
-from weightsync_core.errors import SyncStageError, SyncTimeoutError
+from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.api.errors import SyncStageError, SyncTimeoutError
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.profile import by_profile
 from weightsync_core.testing.weights import Faults
 
 if TYPE_CHECKING:
-    from weightsync_core.manager import CheckpointEngineManager
-    from weightsync_core.ray_group import RayRolloutReplica
+    from weightsync_core.orchestration.manager import CheckpointEngineManager
+    from weightsync_core.orchestration.ray_group import RayRolloutReplica
 
 __all__ = [
     "CheckpointEngineConformanceTests",
@@ -518,7 +518,7 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         return f"rollout rank {len(healthy.workers)} (replica 1, worker 0)"
 
     def _detected(self, case: str, elapsed: float, bound: float, error: Exception) -> None:
-        """Print how long detection took (the figures in the READMEs) and check the bound."""
+        """Print how long detection took (the figures in the docs) and check the bound."""
         print(f"\n[{self.backend}] {case}: detected after {elapsed:.1f}s (bound {bound:.0f}s); "
               f"blamed {getattr(error, 'worker', None)!r}")
         assert elapsed < bound, f"{case}: detected after {elapsed:.1f}s: {error}"

@@ -1,6 +1,5 @@
 """Delta sync: after a full sync, send per tensor only what differs bitwise from the
-version every receiver holds, and check each rebuilt tensor whole (see the core README,
-"Delta sync")."""
+version every receiver holds, and check each rebuilt tensor whole (see ``docs/delta.md``)."""
 
 from weightsync_core.data.delta.codec import (
     DeltaBaselineError,

@@ -1,7 +1,7 @@
 """Sharded delivery: layouts (what each actor rank holds and each rollout worker needs, a
 box per checkpoint tensor), the transfer plan built from them, and its exchange over a gloo
-group, its bytes as gloo messages or written one-sidedly through a transport (see the core
-README, "Sharded delivery")."""
+group, its bytes as gloo messages or written one-sidedly through a transport (see
+``docs/sharded.md``)."""
 
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
