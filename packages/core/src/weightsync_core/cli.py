@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -16,6 +17,73 @@ if TYPE_CHECKING:
     from weightsync_core.plan import Link
 
 __all__ = ["BENCH_ENTRY_POINTS", "main"]
+
+_DESCRIPTION = (
+    "weightsync: list the checkpoint-engine backends installed here, benchmark and compare "
+    "them, and plan which one syncs a model fastest on a cluster. Help of a command: "
+    "weightsync COMMAND --help. Documentation: see the docs."
+)
+"""What ``weightsync --help`` says (plain text: argparse prints it as it is)."""
+
+
+def _number_type(
+    convert: Callable[[str], float], test: Callable[[float], bool], wanted: str
+) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert`` the text, refused unless ``test`` holds; argparse
+    prints the refusal as ``argument --FLAG: must be WANTED, got 'TEXT'`` (exit status 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not test(value):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+_count = _number_type(int, lambda value: value >= 1, "an integer >= 1")
+_positive = _number_type(float, lambda value: value > 0, "a number > 0")
+_non_negative = _number_type(float, lambda value: value >= 0, "a number >= 0")
+_fraction = _number_type(float, lambda value: 0 <= value <= 1, "a number from 0 to 1")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated integers >= 1, e.g. ``2,2``."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be integers >= 1 separated by commas (e.g. 2,2), got {text!r}")
+    return values
+
+
+def _json_object(text: str) -> dict[str, object]:
+    """An argparse ``type``: a JSON object, e.g. ``{"ucx_transports": "tcp"}``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _backend_kwargs(text: str) -> tuple[str, dict[str, object]]:
+    """An argparse ``type``: ``BACKEND=JSON``, the JSON an object of keyword arguments."""
+    name, equals, value = text.partition("=")
+    try:
+        kwargs = json.loads(value) if name and equals else None
+    except json.JSONDecodeError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise argparse.ArgumentTypeError(
+            f'must be BACKEND=JSON object, e.g. nixl=\'{{"ucx_transports": "tcp"}}\'; got {text!r}')
+    return name, kwargs
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -50,7 +118,14 @@ def _connect(command: str, address: str | None) -> bool:
     return True
 
 
+_BENCH_BACKENDS = "gloo, or an installed ring backend: nixl, mooncake"
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.backend is None:  # --testbed never gets here: main hands it to the testbed
+        args.refuse(f"a backend is required: {_BENCH_BACKENDS} (or --testbed, which measures "
+                    "every installed CPU backend unless given some)")  # exits: status 2
+        return 2
     common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
               "repeats": args.repeats, "verify": not args.no_verify}
     if args.delta:
@@ -59,7 +134,7 @@ def _bench(args: argparse.Namespace) -> int:
         if not _connect("bench", args.address):
             return 1
         result = run_delta_benchmark(
-            args.backend, json.loads(args.engine_kwargs), args.size_mb, args.tensors,
+            args.backend, args.engine_kwargs, args.size_mb, args.tensors,
             args.repeats, args.bucket_mb or 64, args.learning_rate,
         )
     elif args.backend == "gloo":
@@ -82,7 +157,7 @@ def _bench(args: argparse.Namespace) -> int:
         if not _connect("bench", args.address):
             return 1
         result = run_ring_benchmark(
-            args.backend, json.loads(args.engine_kwargs), receivers=args.receivers or 3,
+            args.backend, args.engine_kwargs, receivers=args.receivers or 3,
             bucket_megabytes=args.bucket_mb or 64, **common,
         )
     print(result.table())
@@ -96,11 +171,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from weightsync_core.bench.compare import comparison_table, run_comparison
 
-    kwargs = {}
-    for option in args.kwargs:
-        name, _, value = option.partition("=")
-        kwargs[name] = json.loads(value)
-    replicas = tuple(int(size) for size in args.replicas.split(","))
+    kwargs = dict(args.kwargs)
+    replicas = args.replicas
     if not _connect("compare", args.address):
         return 1
     rows = run_comparison(
@@ -154,7 +226,10 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
         replicas=args.replicas, workers_per_replica=args.workers_per_replica,
         rollout_workers_per_host=args.rollout_workers_per_host, nics_per_host=args.nics_per_host,
     )
-    workload = Workload(int(args.model_gb * 1e9), args.bucket_mb << 20,
+    if args.largest_tensor_mb * 2**20 > args.model_gb * 1e9:
+        raise ValueError(f"--largest-tensor-mb {args.largest_tensor_mb:g} (MiB) cannot exceed "
+                         f"--model-gb {args.model_gb:g} (GB)")
+    workload = Workload(max(1, int(args.model_gb * 1e9)), args.bucket_mb << 20,
                         int(args.largest_tensor_mb * 2**20), args.pipeline_depth)
     ranked = plan(cluster, workload, args.device, args.backends or None)
     sharded = (sharded_plan(cluster, workload, args.device, args.replicated_fraction)
@@ -186,14 +261,14 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
 
 _ADDRESS_HELP = (
     "Ray cluster to connect to: HOST:PORT (one that refuses or cannot be reached fails in "
-    "seconds), or auto (the one `ray start` started on this machine); default: RAY_ADDRESS, "
+    "seconds), or auto (the one 'ray start' started on this machine); default: RAY_ADDRESS, "
     "else a private local instance beside any cluster running on the machine"
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``weightsync``."""
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser = argparse.ArgumentParser(prog="weightsync", description=_DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     backends = commands.add_parser(
         "backends", help="list every known backend: distribution, installed, loaded or why not"
@@ -207,44 +282,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark an engine against its raw transport: gloo (also against the Ray "
         "object store), or a ring backend (nixl, mooncake) to 1 and to N rollout workers",
     )
-    bench.add_argument("backend", help="gloo, or an installed ring backend: nixl, mooncake")
+    bench.add_argument("backend", nargs="?",
+                       help=f"{_BENCH_BACKENDS}; required without --testbed (with --testbed: "
+                       "any number of backends to measure, default every installed CPU one)")
     bench.add_argument("--testbed", action="store_true",
                        help="instead: the line-rate matrix on an emulated multi-host cluster "
-                       "(needs root and weightsync-testbed; options: weightsync-testbed "
+                       "(needs root and weightsync-testbed; its options: weightsync-testbed "
                        "bench --help)")
-    bench.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
-    bench.add_argument("--receivers", type=int,
+    bench.add_argument("--size-mb", type=_count, default=1024, help="state dict size (MiB)")
+    bench.add_argument("--receivers", type=_count,
                        help="rollout workers (default: 2 for gloo; 3 for ring backends, "
                        "which are also measured with 1)")
-    bench.add_argument("--bucket-mb", type=int,
+    bench.add_argument("--bucket-mb", type=_count,
                        help="bucket size in MiB (default: 256 for gloo, 64 for ring backends)")
-    bench.add_argument("--engine-kwargs", default="{}",
+    bench.add_argument("--engine-kwargs", type=_json_object, default="{}",
                        help='ring backends: engine keyword arguments as JSON, e.g. '
                        '\'{"ucx_transports": "tcp"}\'')
-    bench.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
-    bench.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+    bench.add_argument("--tensors", type=_count, default=64, help="tensors in the state dict")
+    bench.add_argument("--repeats", type=_count, default=5, help="timed repetitions (median)")
     bench.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
     bench.add_argument("--delta", action="store_true",
                        help="full against delta syncs (config.delta) of bf16 weights after "
                        "an optimizer step of fp32 masters, to one rollout worker")
-    bench.add_argument("--learning-rate", type=float, default=1.6e-5,
+    bench.add_argument("--learning-rate", type=_positive, default=1.6e-5,
                        help="--delta: each step's move per master element (1.6e-5 changes "
                        "about 2%% of the bf16 elements)")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
     bench.add_argument("--address", help=_ADDRESS_HELP)
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(run=_bench, refuse=bench.error)
     compare = commands.add_parser(
         "compare", help="several backends on the same deployment and bytes, in one run"
     )
     compare.add_argument("backends", nargs="+", help="backend names, e.g. kimi mooncake gloo")
-    compare.add_argument("--actors", type=int, default=2, help="actor_wg ranks")
-    compare.add_argument("--replicas", default="2,2", help="workers per replica, e.g. 2,2")
-    compare.add_argument("--size-mb", type=int, default=1024, help="state dict size (MiB)")
-    compare.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
-    compare.add_argument("--tensors", type=int, default=64, help="tensors in the state dict")
-    compare.add_argument("--repeats", type=int, default=3, help="timed syncs (median)")
+    compare.add_argument("--actors", type=_count, default=2, help="actor_wg ranks")
+    compare.add_argument("--replicas", type=_counts, default="2,2",
+                         help="workers per replica, e.g. 2,2")
+    compare.add_argument("--size-mb", type=_count, default=1024, help="state dict size (MiB)")
+    compare.add_argument("--bucket-mb", type=_count, default=64, help="bucket size (MiB)")
+    compare.add_argument("--tensors", type=_count, default=64, help="tensors in the state dict")
+    compare.add_argument("--repeats", type=_count, default=3, help="timed syncs (median)")
     compare.add_argument("--no-verify", action="store_true", help="turn delivery checks off")
-    compare.add_argument("--kwargs", action="append", default=[], metavar="BACKEND=JSON",
+    compare.add_argument("--kwargs", type=_backend_kwargs, action="append", default=[],
+                         metavar="BACKEND=JSON",
                          help="engine keyword arguments of one backend (repeatable)")
     compare.add_argument("--json-out", help="also write the rows as JSON to this file")
     compare.add_argument("--address", help=_ADDRESS_HELP)
@@ -256,38 +335,38 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan", help="predict every backend's sync time on a described cluster, ranked, "
-        "with what bounds each (a cost model; see the core README)"
+        "with what bounds each (a cost model; see the docs)"
     )
     plan.add_argument("backends", nargs="*", help="backends to plan (default: all for --device)")
     plan.add_argument("--device", choices=("cpu", "gpu", "npu"), default="cpu",
                       help="buckets in host memory over TCP (measured engine costs), or on "
                       "CUDA GPUs / Ascend NPUs over RDMA (assumed engine costs)")
-    plan.add_argument("--model-gb", type=float, required=True, help="bytes to sync (GB)")
-    plan.add_argument("--largest-tensor-mb", type=float, default=0.0,
+    plan.add_argument("--model-gb", type=_positive, required=True, help="bytes to sync (GB)")
+    plan.add_argument("--largest-tensor-mb", type=_non_negative, default=0.0,
                       help="largest tensor (MiB): sets the receivers' merge memory")
-    plan.add_argument("--bucket-mb", type=int, default=1024, help="bucket size (MiB)")
-    plan.add_argument("--pipeline-depth", type=int, default=2, help="buckets in flight")
-    plan.add_argument("--actor-hosts", type=int, default=1)
-    plan.add_argument("--actor-ranks-per-host", type=int, default=1)
-    plan.add_argument("--replicas", type=int, default=1)
-    plan.add_argument("--workers-per-replica", type=int, default=1)
-    plan.add_argument("--rollout-workers-per-host", type=int, default=1)
-    plan.add_argument("--nics-per-host", type=int, default=1,
+    plan.add_argument("--bucket-mb", type=_count, default=1024, help="bucket size (MiB)")
+    plan.add_argument("--pipeline-depth", type=_count, default=2, help="buckets in flight")
+    plan.add_argument("--actor-hosts", type=_count, default=1)
+    plan.add_argument("--actor-ranks-per-host", type=_count, default=1)
+    plan.add_argument("--replicas", type=_count, default=1)
+    plan.add_argument("--workers-per-replica", type=_count, default=1)
+    plan.add_argument("--rollout-workers-per-host", type=_count, default=1)
+    plan.add_argument("--nics-per-host", type=_count, default=1,
                       help="NICs of --nic-gbit on every host (GPU hosts: often one a GPU); "
                       "each process uses one")
     plan.add_argument("--sharded", action="store_true",
                       help="also predict sharded delivery: each rollout worker receives only "
                       "its shard (its replica's workers split the model), from every actor "
                       "rank at once, priced as a point-to-point engine on --device")
-    plan.add_argument("--replicated-fraction", type=float, default=0.0,
+    plan.add_argument("--replicated-fraction", type=_fraction, default=0.0,
                       help="with --sharded: the fraction of the model every worker of a "
                       "replica needs whole (norms, replicated KV heads)")
-    plan.add_argument("--nic-gbit", type=float, default=100.0,
+    plan.add_argument("--nic-gbit", type=_positive, default=100.0,
                       help="every host's NIC: payload rate, Gbit/s each direction")
-    plan.add_argument("--nic-latency-us", type=float, default=10.0)
-    plan.add_argument("--intra-gbyte", type=float, default=10.0,
+    plan.add_argument("--nic-latency-us", type=_non_negative, default=10.0)
+    plan.add_argument("--intra-gbyte", type=_positive, default=10.0,
                       help="between processes of one host: GB/s (NVLink: e.g. 450)")
-    plan.add_argument("--intra-latency-us", type=float, default=2.0)
+    plan.add_argument("--intra-latency-us", type=_non_negative, default=2.0)
     plan.add_argument("--measure", action="store_true",
                       help="probe the NIC and intra-host figures of the Ray cluster at "
                       "--address instead of --nic-*/--intra-* (TCP between two nodes)")
