@@ -10,7 +10,7 @@ from weightsync_trainer.algorithms import (
     value_loss,
     whiten,
 )
-from weightsync_trainer.config import ModelConfig, TaskConfig
+from weightsync_trainer.config import DataConfig, ModelConfig, TaskConfig
 from weightsync_trainer.task import TargetTokenTask
 
 
@@ -61,7 +61,8 @@ def test_value_loss_and_whiten():
 
 
 def test_task_reward_counts_target_tokens():
-    task = TargetTokenTask(TaskConfig(target_token=3, response_length=4), ModelConfig())
+    task = TargetTokenTask(TaskConfig(target_token=3), ModelConfig(),
+                           DataConfig(max_prompt_length=4, max_response_length=4))
     responses = torch.tensor([[3, 3, 3, 3], [3, 0, 1, 3], [0, 1, 2, 4]])
     assert task.reward(responses).tolist() == [1.0, 0.5, 0.0]
     prompts = task.sample_prompts(5, torch.Generator().manual_seed(0))

@@ -117,8 +117,9 @@ def test_old_spellings_in_a_yaml_file(tmp_path):
         "actor:\n  world_size: 1\n  optim: {lr: 1e-3, max_grad_norm: 0.5}\n")
     with pytest.warns(FutureWarning) as notes:
         config = load_config(tmp_path / "old.yaml", ["trainer.total_training_steps=9"])
-    assert ("rollout.checkpoint_engine.backend is now actor_rollout_ref.rollout."
-            "checkpoint_engine.backend (verl's key path)") in str(notes[3].message)
+    assert any(str(note.message).startswith(
+        "rollout.checkpoint_engine.backend is now actor_rollout_ref.rollout.checkpoint_engine."
+        "backend (verl's key path)") for note in notes)
     assert config.algorithm.adv_estimator == "gae"
     assert config.trainer.total_training_steps == 9  # the override comes after the file
     assert config.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
@@ -230,6 +231,16 @@ def test_config_name_with_verl_defaults_list(tmp_path):
     config = load_config(config_name="recipe", config_path=tmp_path)
     assert (config.trainer.total_training_steps, config.trainer.seed) == (5, 11)
     assert config.actor_rollout_ref.rollout.checkpoint_engine.backend == "gloo"
+
+
+def test_a_user_file_that_does_not_compose_is_named(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("defaults:\n  - ppo_trainr\n  - _self_\n")
+    with pytest.raises(ConfigError, match=rf"In '{re.escape(str(tmp_path))}/recipe.yaml': "
+                                          r"Could not load 'ppo_trainr'"):
+        load_config(config_name="recipe", config_path=tmp_path)
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must hold a YAML mapping at top level"):
+        load_config(tmp_path / "list.yaml")
 
 
 def test_typos_name_the_full_key_with_did_you_mean(tmp_path):

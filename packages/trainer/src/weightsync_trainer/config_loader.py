@@ -124,15 +124,18 @@ def compose_config(
     arguments are :func:`load_config`'s."""
     overrides = list(overrides)
     lines = [_new_spelling(override) for override in _parse(overrides)]
-    primary, folder = _primary_config(config_file, config_name, config_path)
-    if folder is not None:
-        lines.insert(0, f"hydra.searchpath=[file://{folder}]")
+    primary, user_file = _primary_config(config_file, config_name, config_path)
+    if user_file is not None:
+        folder = str(user_file.parent).replace("'", "\\'")  # quoted in Hydra's grammar
+        lines.insert(0, f"hydra.searchpath=['file://{folder}']")
     with _hydra():
         try:
             composed = compose(primary, overrides=lines)
         except (HydraException, OmegaConfBaseException) as exc:
-            base = compose(primary, overrides=lines[:1] if folder is not None else [])
-            raise _composition_error(exc, base, lines) from None
+            error = _composition_error(exc, primary, lines[:1] if user_file else [], lines)
+            if user_file is not None:  # name the user's file, not the store entry
+                error = ConfigError(str(error).replace(repr(_USER_NODE), repr(str(user_file))))
+            raise error from None
     try:
         data = OmegaConf.to_container(composed, resolve=True)
     except OmegaConfBaseException as exc:  # an interpolation that does not resolve
@@ -214,7 +217,8 @@ def _new_spelling(override: Override) -> str:
 def _primary_config(
     config_file: str | Path | None, config_name: str | None, config_path: str | Path | None
 ) -> tuple[str, Path | None]:
-    """The config Hydra composes first, and the user's folder for its search path."""
+    """The config Hydra composes first, and the user's file (its folder goes on Hydra's search
+    path)."""
     if config_file is not None:
         if config_name is not None or config_path is not None:
             raise ConfigError("give either a config file or config_name/config_path, not both")
@@ -237,7 +241,7 @@ def _primary_config(
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     ConfigStore.instance().store(name=_USER_NODE, node=_user_node(path))
-    return _USER_NODE, path.resolve().parent
+    return _USER_NODE, path.resolve()
 
 
 def _is_packaged(name: str) -> bool:
@@ -287,10 +291,15 @@ def _first_line(exc: BaseException, skip_prefix: str = "") -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _composition_error(exc: BaseException, base: DictConfig, lines: list[str]) -> ConfigError:
-    """Hydra's refusal of an override, explained: the first override whose key is not in the
-    composed defaults (with the closest keys), or a value where it needs a section."""
-    tree = OmegaConf.to_container(base, resolve=False)
+def _composition_error(exc: BaseException, primary: str, search: list[str],
+                       lines: list[str]) -> ConfigError:
+    """Hydra's refusal, explained: the first override whose key is not in the configuration
+    composed without overrides (with the closest keys), or a value where it needs a section;
+    else Hydra's own words (a user's file that does not compose)."""
+    try:
+        tree = OmegaConf.to_container(compose(primary, overrides=search), resolve=False)
+    except (HydraException, OmegaConfBaseException):
+        return ConfigError(" ".join(str(exc).split()))
     added: list[tuple[str, ...]] = []
     for override in OverridesParser.create().parse_overrides(lines):
         path = tuple(override.key_or_group.split("."))
