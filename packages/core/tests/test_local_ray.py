@@ -1,6 +1,10 @@
 """weightsync's commands beside a Ray cluster that a user runs on the machine (``ray start
 --head``): without ``RAY_ADDRESS`` or ``--address`` they start a private instance of their own;
-with either they connect to that cluster. Each command runs in a process of its own."""
+with either they connect to that cluster. Each command runs in a process of its own.
+
+A command here is ``weightsync bench`` at its smallest (1 MiB in one tensor, one bucket, one
+receiver, one timed round): it starts actors on the cluster it reached and syncs through
+them, which is what the cases need of it; a larger one measures nothing more of them."""
 
 import os
 import socket
@@ -16,18 +20,17 @@ from weightsync_core.orchestration.local_ray import CONNECT_SECONDS
 from weightsync_core.testing import user_ray_cluster
 
 BIN = Path(sys.executable).parent
-WHICH_CLUSTER = ("import ray; from weightsync_core import ensure_ray; ensure_ray(); "
-                 "print(ray.get_runtime_context().gcs_address)")
-"""Prints the GCS address of the cluster ``ensure_ray`` reached (the head reports its node's
-address, whichever address it was reached by: compare ports)."""
 AFTER_COMMAND = ("import sys, ray; from weightsync_core.cli import main; status = "
                  "main(sys.argv[1:]); print(ray.get_runtime_context().gcs_address); "
                  "sys.exit(status)")
 """Runs ``weightsync ARGS`` in this process, then prints the GCS address of the cluster the
-command reached, as :data:`WHICH_CLUSTER` does."""
-BENCH_ARGS = ["bench", "gloo", "--size-mb", "4", "--tensors", "4", "--repeats", "1",
-              "--receivers", "1"]
-BENCH = [str(BIN / "weightsync"), *BENCH_ARGS]
+command reached (the head reports its node's address, whichever address it was reached by:
+compare ports)."""
+BENCH_ARGS = ["bench", "gloo", "--size-mb", "1", "--tensors", "1", "--bucket-mb", "1",
+              "--repeats", "1", "--receivers", "1"]
+BENCH_REACHING = [sys.executable, "-c", AFTER_COMMAND, *BENCH_ARGS]
+"""``weightsync bench``, then the GCS address of the cluster it ran on (one process: the
+command itself says which cluster it reached)."""
 
 
 def _port(address: str) -> str:
@@ -49,26 +52,20 @@ def _run(args: list[str], ray_address: str | None) -> subprocess.CompletedProces
 
 
 def test_without_ray_address_a_command_starts_its_own_ray_beside_the_users(user_cluster):
-    which = _run([sys.executable, "-c", WHICH_CLUSTER], None)
-    assert which.returncode == 0, which.stderr[-2000:]
-    assert _port(which.stdout.split()[-1]) != _port(user_cluster)
-
-    bench = _run(BENCH, None)
+    # the command runs its benchmark on the private instance it started, not the user's
+    bench = _run(BENCH_REACHING, None)
     assert bench.returncode == 0, bench.stderr[-2000:]
+    assert _port(bench.stdout.split()[-1]) != _port(user_cluster)
 
 
 def test_with_ray_address_a_command_connects_to_the_users_cluster(user_cluster):
-    which = _run([sys.executable, "-c", WHICH_CLUSTER], user_cluster)
-    assert which.returncode == 0, which.stderr[-2000:]
-    assert _port(which.stdout.split()[-1]) == _port(user_cluster)
-
-    bench = _run(BENCH, user_cluster)
+    bench = _run(BENCH_REACHING, user_cluster)
     assert bench.returncode == 0, bench.stderr[-2000:]
+    assert _port(bench.stdout.split()[-1]) == _port(user_cluster)
 
 
 def test_with_address_a_command_connects_to_the_users_cluster(user_cluster):
-    bench = _run([sys.executable, "-c", AFTER_COMMAND, *BENCH_ARGS, "--address", user_cluster],
-                 None)
+    bench = _run([*BENCH_REACHING, "--address", user_cluster], None)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert _port(bench.stdout.split()[-1]) == _port(user_cluster)
 
