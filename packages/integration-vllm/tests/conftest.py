@@ -26,6 +26,26 @@ def model_path(tmp_path_factory) -> str:
     return save_qwen2(str(tmp_path_factory.mktemp("model")), hidden_size=64, vocab_size=8192)
 
 
+@pytest.fixture(scope="session")
+def one_layer_model_path(tmp_path_factory) -> str:
+    """A 1-layer Qwen2 (hidden 64, vocab 8192), untied: the model of the one-worker ``LLM``
+    engine that ``test_vllm_replica`` and ``test_vllm_failure_safety`` share."""
+    return save_qwen2(str(tmp_path_factory.mktemp("one-layer")), hidden_size=64,
+                      num_hidden_layers=1, vocab_size=8192)
+
+
+@pytest.fixture(scope="session")
+def llm_rollout(one_layer_model_path):
+    """A greedy one-worker ``LLM`` rollout actor serving :func:`one_layer_model_path`, started
+    once for the modules that use it (each of their cases ends with a sync that succeeded)."""
+    from vllm_sync_support import running_rollout
+
+    from weightsync_vllm.worker import VLLMRolloutWorker
+
+    with running_rollout(VLLMRolloutWorker, one_layer_model_path) as worker:
+        yield worker
+
+
 @pytest.fixture(scope="module")
 def source(model_path):
     """The sending side (its engine rebuilt for each backend) and its Hugging Face copy."""

@@ -3,7 +3,8 @@ cause, the replica refuses to serve (it holds a mix of versions) and the next sy
 tokens equal Hugging Face's on the same weights. A tensor the model does not hold, or holds
 with another shape, is refused before it is loaded; a first sync that misses a tensor fails
 naming it and never becomes the reference. For a model with untied and one with tied
-embeddings (the LM head of the tied one is never sent); one vLLM engine per model."""
+embeddings (the LM head of the tied one is never sent); one vLLM engine per model (the
+untied one the conftest's, shared with ``test_vllm_replica``)."""
 
 import pytest
 import ray
@@ -23,8 +24,10 @@ NEW_TOKENS = 6
 class Replica:
     """A vLLM rollout worker and its sender (with the sender's Hugging Face copy)."""
 
-    def __init__(self, model_path: str) -> None:
-        self.rollout = ray.remote(num_cpus=0)(VLLMRolloutWorker).remote(
+    def __init__(self, model_path: str, rollout=None) -> None:
+        """A rollout worker of its own, or the running ``rollout`` (not shut down after)."""
+        self.shared = rollout is not None
+        self.rollout = rollout or ray.remote(num_cpus=0)(VLLMRolloutWorker).remote(
             sync_config("gloo"), model_path, temperature=0.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         )
         self.model_path = model_path
@@ -67,17 +70,21 @@ class Replica:
         return ray.get(self.rollout.generate.remote(PROMPTS, NEW_TOKENS, 0))
 
     def close(self) -> None:
-        ray.get(self.rollout.shutdown.remote())
-        ray.kill(self.rollout)
+        if not self.shared:
+            ray.get(self.rollout.shutdown.remote())
+            ray.kill(self.rollout)
         self.sender.kill()
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def replica(request, tmp_path_factory):
-    path = save_qwen2(str(tmp_path_factory.mktemp(request.param)), hidden_size=64,
-                      num_hidden_layers=1, vocab_size=8192,
-                      tie_word_embeddings=request.param == "tied")
-    replica = Replica(path)
+    if request.param == "untied":  # the conftest's engine, on the same 1-layer model
+        replica = Replica(request.getfixturevalue("one_layer_model_path"),
+                          request.getfixturevalue("llm_rollout"))
+    else:
+        replica = Replica(save_qwen2(str(tmp_path_factory.mktemp(request.param)),
+                                     hidden_size=64, num_hidden_layers=1, vocab_size=8192,
+                                     tie_word_embeddings=True))
     yield replica
     replica.close()
 

