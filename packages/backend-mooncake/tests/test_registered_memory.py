@@ -15,16 +15,26 @@ import ray
 
 from weightsync_core import CheckpointEngineConfig, SyncStageError
 from weightsync_core.testing import SyncHarness, ensure_ray
+from weightsync_core.testing.profile import by_profile
 
 WRITER = Path(__file__).with_name("stray_writer.py")
-SYNCS = 50
+SYNCS = by_profile(default=20, long=50)
+"""Syncs, each with one stray write at a random moment of the 0.8 s from its start (the sync
+itself takes 0.3-0.5 s): the default profile's 20 need at least 10 writes to land, and none
+may pass as success; the long profile runs 50."""
+SYNC_TIMEOUT = by_profile(default=10, long=30)
+"""A healthy sync of this deployment (its servers reading each tensor for 2 ms, as here) took
+0.33 s (mooncake) and 0.50 s (mooncake_sharded) on an otherwise idle 2-core machine: 10 s in
+the default profile is 20 times that, so a sync that a stray write hangs costs 10 s, not 30
+(a sync that times out fails, which the test allows; only silent success is refused)."""
 
 
 @pytest.fixture(scope="module", params=["mooncake", "mooncake_sharded"])
 def harness(request):
     ensure_ray(num_cpus=2)
     config = CheckpointEngineConfig(
-        backend=request.param, update_weights_bucket_megabytes=1, sync_timeout_seconds=30,
+        backend=request.param, update_weights_bucket_megabytes=1,
+        sync_timeout_seconds=SYNC_TIMEOUT,
         engine_kwargs={request.param: {"protocol": "tcp"}},
     )
     deployment = SyncHarness(config, actor_world_size=1, replica_sizes=(1, 1))
