@@ -21,9 +21,14 @@ import textwrap
 
 import pytest
 
-SYNCS = 300
-"""Before the fix, the pool held 2-4 threads after 100 of these (in 8 runs of 8)."""
-ABORTS = 30
+from weightsync_core.testing.profile import by_profile
+
+SYNCS = by_profile(default=100, long=300)
+"""Before the fix, the pool held 2-4 threads after 100 of these (in 8 runs of 8): the default
+profile runs those 100, the long one 300."""
+ABORTS = by_profile(default=10, long=30)
+"""A thread started per disconnect, registration or connection would grow the process by 10
+threads over the default profile's 10 aborts (the test allows none); the long one runs 30."""
 
 _SCRIPT = textwrap.dedent("""
     import asyncio, collections, json, os, sys, threading, time
