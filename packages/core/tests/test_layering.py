@@ -365,3 +365,23 @@ def test_the_public_api_check_sees_internal_and_underscore_imports(tmp_path):
     assert [v.split(":", 1)[1] for v in found] == [
         "1 imports core's internal module weightsync_core.api.registry",
         "2 imports an underscore name of weightsync_core"]
+
+
+def test_the_docs_three_layers_are_the_tree():
+    """The concepts page's table of core's three layers names exactly the folders of each
+    layer (its first column says the layer, its second the folders), and every folder it
+    names is one of the package's."""
+    import re
+
+    page = Path(__file__).resolve().parents[3] / "docs" / "concepts" / "index.md"
+    rows = [line.split("|")[1:3] for line in page.read_text().splitlines()
+            if re.match(r"\| [123]\. ", line)]
+    documented = [re.findall(r"`([a-z_]+)/?`", folders) for _, folders in rows]
+    expected = [list(FOLDERS[:ENGINE_LAYER + 1]), ["orchestration"], sorted(TOOLS)]
+    assert [sorted(names) if layer == 2 else names
+            for layer, names in enumerate(documented)] == expected, documented
+    package = Path(weightsync_core.__file__).resolve().parent
+    for folder in FOLDERS[:-1]:
+        assert (package / folder / "__init__.py").is_file(), folder
+    for tool in TOOLS:
+        assert (package / tool).is_dir() or (package / f"{tool}.py").is_file(), tool
