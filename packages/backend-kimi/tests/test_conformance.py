@@ -5,12 +5,14 @@ import pytest
 import ray
 
 from weightsync_core import SyncStageError
+from weightsync_core.spi import from_wire
 from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ConnectionStormTests,
     DeltaSyncConformanceTests,
 )
 from weightsync_core.testing.harness import SyncHarness
+from weightsync_kimi.topology import KimiMetadata
 
 
 class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
@@ -29,8 +31,9 @@ class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformance
         expected = harness.set_weights(seed=30)
         harness.manager().update_weights_sync(global_steps=30)
         self.assert_delivered(harness, expected)
-        shares = [
-            ray.get(actor.execute_checkpoint_engine.remote("prepare"))["cache"]
+        shares = [  # what each actor rank announces: plain data, rebuilt typed
+            from_wire(ray.get(actor.execute_checkpoint_engine.remote("prepare")),
+                      KimiMetadata).cache
             for actor in harness.actors
         ]
         assert [share.owner for share in shares] == [0, 1]

@@ -1,13 +1,26 @@
-"""Broadcast topologies: single sender, relays on the sender's host only, group reuse."""
+"""Broadcast and ring topologies through the engines' verl-shaped handshake (plain data in,
+plain data out): single sender, relays on the sender's host only, group reuse; metadata
+that is not the engine's refused naming the process."""
 
 import pytest
 
-from weightsync_core.data.topology import BroadcastGroup, broadcast_topology, plan_broadcast_groups
-from weightsync_core.engines import GlooCheckpointEngine
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.data.topology import BroadcastMetadata, SenderShare, plan_sender_shares
+from weightsync_core.engines import GlooCheckpointEngine, RingCheckpointEngine
+from weightsync_core.engines.typed import decode_metadata
+
+broadcast_topology = GlooCheckpointEngine.build_topology
+ring_topology = RingCheckpointEngine.build_topology
 
 
 def meta(host, member, port=1000, group=None, senders=1):
     return {"host": host, "port": port, "member": member, "group": group, "senders": senders}
+
+
+def plan_broadcast_groups(actors, rollout_world_size, senders):
+    layout = SyncLayout.flat(len(actors), 0)
+    return plan_sender_shares(decode_metadata(layout, actors, BroadcastMetadata),
+                              rollout_world_size, senders)
 
 
 def test_single_sender_matches_verl():
@@ -16,7 +29,7 @@ def test_single_sender_matches_verl():
     assert actor["rank"] == [0, -1]
     assert actor["world_size"] == [3, 0]
     assert rollout["rank"] == [1, 2]
-    assert rollout["members"] == [["s0", "r0", "r1"]] * 2
+    assert rollout["members"] == [("s0", "r0", "r1")] * 2
     master = actor["master_metadata"][0]
     assert master == {"host": "a", "port": 1000, "reuse": False, "sender": 0}
     assert rollout["master_metadata"] == [master, master]
@@ -26,17 +39,17 @@ def test_relays_come_only_from_the_sender_host():
     actors = [meta("node0", "a0"), meta("node1", "a1"), meta("node0", "a2"), meta("node0", "a3")]
     groups = plan_broadcast_groups(actors, rollout_world_size=5, senders=3)
     assert groups == [
-        BroadcastGroup(0, (0, 1)), BroadcastGroup(2, (2, 3)), BroadcastGroup(3, (4,))
+        SenderShare(0, (0, 1)), SenderShare(2, (2, 3)), SenderShare(3, (4,))
     ]
 
 
 def test_never_more_senders_than_receivers_and_at_least_rank_zero():
     actors = [meta("n", f"a{i}") for i in range(4)]
     assert plan_broadcast_groups(actors, 2, senders=4) == [
-        BroadcastGroup(0, (0,)), BroadcastGroup(1, (1,))
+        SenderShare(0, (0,)), SenderShare(1, (1,))
     ]
     lonely = [meta("n", "a0"), meta("m", "a1")]
-    assert plan_broadcast_groups(lonely, 3, senders=2) == [BroadcastGroup(0, (0, 1, 2))]
+    assert plan_broadcast_groups(lonely, 3, senders=2) == [SenderShare(0, (0, 1, 2))]
     with pytest.raises(ValueError, match="senders must be >= 1"):
         plan_broadcast_groups(actors, 2, senders=0)
 
@@ -50,7 +63,7 @@ def test_multi_sender_kwargs_give_each_group_its_own_master():
     assert rollout["rank"] == [1, 2, 1]
     assert [m["port"] for m in rollout["master_metadata"]] == [1, 1, 2]
     assert [m["sender"] for m in rollout["master_metadata"]] == [0, 0, 1]
-    assert rollout["members"][2] == ["a1", "r2"]
+    assert rollout["members"][2] == ("a1", "r2")
 
 
 def test_group_is_reused_only_when_every_member_holds_it():
@@ -84,8 +97,6 @@ def test_engine_options_are_validated(kwargs, message):
 
 
 def test_ring_topology_chains_actor_rank_0_through_every_rollout_worker():
-    from weightsync_core.data.topology import ring_topology
-
     metadata = [{"endpoint": f"tcp://h:{i}"} for i in range(2 + 3)]
     actors, rollout = ring_topology(2, 3, metadata)
     assert actors["position"] == [0, -1]
@@ -98,10 +109,6 @@ def test_ring_topology_chains_actor_rank_0_through_every_rollout_worker():
 
 
 def test_ring_topology_needs_both_sides():
-    import pytest
-
-    from weightsync_core.data.topology import ring_topology
-
     with pytest.raises(ValueError, match="at least one actor rank and one rollout worker"):
         ring_topology(1, 0, [{"endpoint": "tcp://h:1"}])
 
@@ -111,7 +118,9 @@ def test_ring_topology_needs_both_sides():
                                                       "'member', 'group')"),
     ("garbage", 2, "that is not a dict but str 'garbage'"),
     (meta("a", "s0", port="29500"), 0, "whose 'port' is '29500', not a port number"),
-    (meta("a", "r1", group={"port": 7}), 3, "whose 'group' is {'port': 7}, not None or a group"),
+    (meta("a", "r1", group={"port": 7}), 3, "whose 'group' is {'port': 7}, not a GroupKey "
+                                            "(port, members) or None"),
+    ({**meta("a", "s1"), "zmq_ip": "x"}, 1, "with the unknown key 'zmq_ip'"),
     (meta("", "r1"), 3, "whose 'host' is '', not a non-empty string"),
 ])
 def test_broadcast_metadata_that_lies_is_refused_naming_the_process(lie, index, problem):
@@ -128,7 +137,6 @@ def test_broadcast_metadata_that_lies_is_refused_naming_the_process(lie, index, 
 
 def test_a_ring_worker_without_its_endpoint_is_refused_naming_it():
     from weightsync_core.api.errors import MetadataError
-    from weightsync_core.data.topology import ring_topology
 
     metadata = [{"endpoint": "tcp://h:0"}, {"endpoint": "tcp://h:1"}, {"peer": "x"}]
     with pytest.raises(MetadataError, match=r"^rollout rank 1 returned metadata without "

@@ -57,8 +57,10 @@ def test_a_key_the_dataclass_lacks_is_refused():
 
 def test_kimis_plan_with_a_cached_share_crosses_msgpack_and_comes_back_typed():
     """From the second sync on, a replica leader's plan holds each actor rank's cached share,
-    whose tensor entries carry torch dtypes: MessagePack (vLLM's, between its processes)
-    refuses those, so the rollout actor sends them by name and the worker rebuilds them."""
+    whose tensor entries carry torch dtypes: kimi's handshake hands them on as plain data (a
+    dtype by its name), which MessagePack (vLLM's, between its processes) carries as it is,
+    and the engine rebuilds its typed plan from it."""
+    from weightsync_core.spi import from_wire, to_wire
     from weightsync_kimi.engine import KimiCheckpointEngine
     from weightsync_kimi.shares import ShareManifest
     from weightsync_kimi.topology import KimiPlan, Owner
@@ -68,14 +70,17 @@ def test_kimis_plan_with_a_cached_share_crosses_msgpack_and_comes_back_typed():
     share = ShareManifest(0, "127.0.0.1:1234", "update", [
         (BucketMeta(0, 288, pieces, checksum=2**64 - 1), RemoteBuffer(1 << 40, 288))],
         [("a", (2, 3), torch.bfloat16), ("b", (4,), torch.int64)], global_steps=7)
-    plan = KimiPlan("leader", "sync", None, (Owner("tcp://127.0.0.1:1", "peer", share),))
+    plan = KimiPlan(role="leader", sync_id="sync",
+                    owners=(Owner(endpoint="tcp://127.0.0.1:1", peer="peer", cache=share),))
     with pytest.raises(TypeError, match=r"torch\.dtype"):
-        msgspec.msgpack.encode({"plan": plan})  # what vLLM's encoder meets without the fix
+        msgspec.msgpack.encode(msgspec.structs.asdict(plan))  # the typed plan would not cross
 
-    sent = plain_arguments([{"plan": plan}])
+    sent = plain_arguments([to_wire(plan)])
+    assert sent == [to_wire(plan)]  # plain already: nothing left to convert
     delivered = msgspec.msgpack.decode(msgspec.msgpack.encode(sent))
     engine = KimiCheckpointEngine.__new__(KimiCheckpointEngine)
-    assert typed_arguments(engine.init_process_group, delivered[0]) == {"plan": plan}
+    assert typed_arguments(engine.init_process_group, delivered[0]) == delivered[0]
+    assert from_wire(delivered[0], KimiPlan) == plan
 
 
 def test_plain_arguments_keep_bytes_and_refuse_what_msgpack_cannot_carry():

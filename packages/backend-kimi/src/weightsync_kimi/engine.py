@@ -40,8 +40,10 @@ from weightsync_core.spi import (
     PeerEndpoints,
     ReceiveBuffers,
     RemoteBuffer,
+    SyncLayout,
     TransferError,
     TransferStats,
+    TypedEngine,
     WeightsSource,
     WeightSyncError,
     allocate_bucket,
@@ -52,7 +54,7 @@ from weightsync_core.spi import (
 )
 from weightsync_kimi.options import KimiOptions
 from weightsync_kimi.shares import ShareAssigner, ShareManifest, ShareMessage, rollout_nbytes
-from weightsync_kimi.topology import KimiPlan, kimi_topology
+from weightsync_kimi.topology import KimiMetadata, KimiPlan, plan_kimi
 from weightsync_mooncake.transport import MooncakeTransport
 
 __all__ = ["KimiCheckpointEngine"]
@@ -60,7 +62,7 @@ __all__ = ["KimiCheckpointEngine"]
 
 @CheckpointEngineRegistry.register("kimi_ckpt_engine")
 @CheckpointEngineRegistry.register("kimi")
-class KimiCheckpointEngine(CheckpointEngineWithCache):
+class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngineWithCache):
     """Actor ranks serve shares from host memory; replica leaders pull, then broadcast.
 
     Options: :class:`~weightsync_kimi.options.KimiOptions` (``protocol``, ``collective``,
@@ -68,6 +70,9 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
     """
 
     options_class = KimiOptions
+    metadata_type = KimiMetadata
+    arguments_type = KimiPlan
+    family = "kimi sync"
     supports_delta = True
     encodes_own_share = True
     host_buckets = 5
@@ -121,37 +126,29 @@ class KimiCheckpointEngine(CheckpointEngineWithCache):
         super().set_session_key(key)
         self._inner.set_session_key(key)
 
-    def prepare(self) -> dict[str, Any]:
-        return {
-            "endpoint": self.channel.endpoint,
-            "peer": self.transport.metadata(),
-            "cache": self._cache,
-            "collective": self.collective,
-            "inner": self._inner.prepare(),
-        }
+    def announce(self) -> KimiMetadata:
+        """This process's channel and transport, the share it holds, and its replica
+        group's own metadata."""
+        return KimiMetadata(
+            endpoint=self.channel.endpoint, peer=self.transport.metadata(), cache=self._cache,
+            collective=self.collective, inner=self._inner.prepare(),
+        )
 
     @classmethod
-    def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Without the replica layout, every rollout worker pulls for itself."""
-        return kimi_topology(actor_wg_world_size, [1] * rollout_world_size, metadata)
+    def plan(
+        cls, layout: SyncLayout, metadata: list[KimiMetadata]
+    ) -> tuple[list[KimiPlan], list[KimiPlan]]:
+        """Owners, one leader per replica, members (:func:`~weightsync_kimi.topology.plan_kimi`;
+        without the replica layout, every rollout worker pulls for itself)."""
+        return plan_kimi(layout, metadata)
 
-    @classmethod
-    def build_replica_topology(
-        cls, actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        return kimi_topology(actor_wg_world_size, replica_sizes, metadata)
-
-    # the base declares build_topology's keywords as **kwargs; this engine takes its own
-    def init_process_group(
-        self, plan: KimiPlan
-    ) -> None:
+    def join(self, arguments: KimiPlan) -> None:
+        """Take this sync's key and part, joining the replica's broadcast group."""
         self.channel.use_key(self.session_key)
-        self._plan = plan
-        if plan.inner is not None:  # plan.has_replica_group
-            self._inner.init_process_group(**plan.inner)
-        if plan.role == "leader" and not self._slots:
+        self._plan = arguments
+        if arguments.inner is not None:  # arguments.has_replica_group
+            self._inner.init_process_group(**arguments.inner)
+        if arguments.role == "leader" and not self._slots:
             self._slots = [self._register(self._allocate()) for _ in range(2)]
 
     # -- actor side ----------------------------------------------------------------------

@@ -1,21 +1,36 @@
-"""The kimi topology: every actor rank serves its share; one leader per replica pulls."""
+"""The kimi topology, typed: every actor rank serves its share; one leader per replica
+pulls."""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from weightsync_core.spi import (
-    CheckpointEngineRegistry,
-)
+from weightsync_core.spi import CheckpointEngineRegistry, Handshake, SyncLayout, Text
 from weightsync_kimi.shares import ShareManifest
 
-__all__ = ["KimiPlan", "Owner", "kimi_topology"]
+__all__ = ["KimiMetadata", "KimiPlan", "Owner", "plan_kimi"]
 
 
-@dataclass(frozen=True)
-class Owner:
+class KimiMetadata(Handshake, frozen=True, kw_only=True):
+    """What a process of a kimi sync announces.
+
+    Attributes:
+        endpoint: its control channel.
+        peer: its transport metadata (how a leader reaches its buckets).
+        cache: on an actor rank, the share it holds from the last update, if any.
+        collective: the backend of the replica's broadcast group.
+        inner: that group's engine's ``prepare()`` metadata (checked by its own topology).
+    """
+
+    endpoint: Text
+    peer: Text
+    cache: ShareManifest | None = None
+    collective: Text
+    inner: dict[str, Any]
+
+
+class Owner(Handshake, frozen=True, kw_only=True):
     """An actor rank as a replica leader sees it.
 
     Attributes:
@@ -24,14 +39,13 @@ class Owner:
         cache: the share it holds from the last update, if any.
     """
 
-    endpoint: str
-    peer: Any
+    endpoint: Text
+    peer: Text
     cache: ShareManifest | None = None
 
 
-@dataclass(frozen=True)
-class KimiPlan:
-    """One process's part in a kimi sync (what ``init_process_group`` receives).
+class KimiPlan(Handshake, frozen=True, kw_only=True):
+    """One process's part in a kimi sync (what ``init_process_group`` takes).
 
     Attributes:
         role: ``"owner"`` (an actor rank serving its share), ``"leader"`` (a replica's
@@ -47,7 +61,7 @@ class KimiPlan:
     """
 
     role: Literal["owner", "leader", "member"]
-    sync_id: str
+    sync_id: Text
     inner: dict[str, Any] | None = None
     owners: tuple[Owner, ...] = ()
     rank: int = 0
@@ -60,53 +74,40 @@ class KimiPlan:
         return self.inner is not None
 
 
-def _inner_plans(members: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+def _inner_plans(members: list[KimiMetadata]) -> list[dict[str, Any] | None]:
     """``init_process_group`` arguments of the replica's own broadcast group (leader first),
     or ``None`` for a single-worker replica."""
     if len(members) == 1:
         return [None]
-    inner_cls = CheckpointEngineRegistry.get(members[0]["collective"])
-    leader, others = inner_cls.build_topology(1, len(members) - 1, [m["inner"] for m in members])
+    inner_cls = CheckpointEngineRegistry.get(members[0].collective)
+    leader, others = inner_cls.build_topology(1, len(members) - 1, [m.inner for m in members])
     plans: list[dict[str, Any] | None] = [{key: values[0] for key, values in leader.items()}]
     plans += [{key: values[i] for key, values in others.items()} for i in range(len(members) - 1)]
     return plans
 
 
-def kimi_topology(
-    actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
-) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-    """Per-rank ``plan`` arguments (:class:`KimiPlan`). Actor ranks are ``owner``s and send
-    their share to every replica's ``leader`` (its first worker), which pulls all buckets and
-    relays them to the replica's other workers (``member``s) over the replica's broadcast
-    group.
-
-    ``metadata`` entries carry ``endpoint``, ``peer`` (transport metadata), ``cache`` (the
-    share an actor rank holds from the last update), ``collective`` and ``inner`` (the
-    replica group's ``prepare`` result).
-    """
-    if actor_wg_world_size < 1 or not replica_sizes or min(replica_sizes) < 1:
-        raise ValueError(
-            "kimi needs at least one actor rank and non-empty replicas, got "
-            f"actor_wg_world_size={actor_wg_world_size}, replica_sizes={replica_sizes}"
-        )
+def plan_kimi(
+    layout: SyncLayout, metadata: list[KimiMetadata]
+) -> tuple[list[KimiPlan], list[KimiPlan]]:
+    """Each process's :class:`KimiPlan`. Actor ranks are ``owner``s and send their share to
+    every replica's ``leader`` (its first worker), which pulls all buckets and relays them to
+    the replica's other workers (``member``s) over the replica's broadcast group."""
     sync_id = uuid.uuid4().hex
-    owners = tuple(Owner(m["endpoint"], m["peer"], m["cache"])
-                   for m in metadata[:actor_wg_world_size])
+    actor_meta, rollout_meta = layout.split(metadata)
+    owners = tuple(Owner(endpoint=m.endpoint, peer=m.peer, cache=m.cache) for m in actor_meta)
     rollout_plans: list[KimiPlan] = []
     leaders = []
-    start = actor_wg_world_size
-    for size in replica_sizes:
-        members = metadata[start : start + size]
-        start += size
-        leaders.append(members[0]["endpoint"])
+    for replica in range(layout.num_replicas):
+        members = [rollout_meta[rank] for rank in layout.replica_ranks(replica)]
+        leaders.append(members[0].endpoint)
         rollout_plans += [
-            KimiPlan("leader", sync_id, inner, owners) if local == 0
-            else KimiPlan("member", sync_id, inner)
+            KimiPlan(role="leader", sync_id=sync_id, inner=inner, owners=owners) if local == 0
+            else KimiPlan(role="member", sync_id=sync_id, inner=inner)
             for local, inner in enumerate(_inner_plans(members))
         ]
     actor_plans = [
-        KimiPlan("owner", sync_id, rank=rank, world_size=actor_wg_world_size,
+        KimiPlan(role="owner", sync_id=sync_id, rank=rank, world_size=layout.actor_ranks,
                  leaders=tuple(leaders))
-        for rank in range(actor_wg_world_size)
+        for rank in range(layout.actor_ranks)
     ]
-    return {"plan": actor_plans}, {"plan": rollout_plans}
+    return actor_plans, rollout_plans

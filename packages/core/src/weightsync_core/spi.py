@@ -1,7 +1,8 @@
 """The backend surface: the one module a weightsync backend imports.
 
 Everything a transport package needs to build an engine is exported here under public
-names: the engine interfaces and the two bases backends specialise (collective broadcast and
+names: the engine interfaces, the typed handshake (``TypedEngine``, ``Handshake``) and the
+two bases backends specialise (collective broadcast and
 the pipelined ring) with their typed options, the base of sharded delivery by one-sided
 writes, the peer-to-peer transport interface, bucket
 packing and unpacking, delivery verification, the authenticated control channel, the
@@ -40,6 +41,7 @@ from weightsync_core.api.errors import (
     VerificationError,
     WeightSyncError,
 )
+from weightsync_core.api.handshake import Count, Handshake, Port, Text, from_wire, to_wire
 from weightsync_core.api.hosts import check_bind_host, default_host
 from weightsync_core.api.options import EngineOptions
 from weightsync_core.api.registry import CheckpointEngineRegistry
@@ -60,6 +62,7 @@ from weightsync_core.data.delta import (
     SpreadDeltaSender,
 )
 from weightsync_core.data.devices import allocate_bucket, resolve_device, synchronize_device
+from weightsync_core.data.sync_layout import SyncLayout
 from weightsync_core.data.verification import DeliveryVerifier, ManifestEntry
 from weightsync_core.engines import (
     CollectiveBroadcastCheckpointEngine,
@@ -68,6 +71,7 @@ from weightsync_core.engines import (
     RingOptions,
     ShardedTransportEngine,
     ShardedTransportOptions,
+    TypedEngine,
 )
 from weightsync_core.engines.broadcast import Collective
 from weightsync_core.net.blocking import run_blocking
@@ -89,6 +93,7 @@ __all__ = [
     "CollectiveBroadcastCheckpointEngine",
     "CollectiveBroadcastOptions",
     "ControlChannel",
+    "Count",
     "DeliveryVerifier",
     "DeltaBaselineError",
     "DeltaPlan",
@@ -98,10 +103,12 @@ __all__ = [
     "EngineOptions",
     "EngineOptionsError",
     "GroupInitTimeoutError",
+    "Handshake",
     "ManifestEntry",
     "MessageSealer",
     "PeerEndpoints",
     "PeerTransport",
+    "Port",
     "ReceiveBuffers",
     "RemoteBuffer",
     "RendezvousStore",
@@ -111,9 +118,12 @@ __all__ = [
     "ShardedTransportEngine",
     "ShardedTransportOptions",
     "SpreadDeltaSender",
+    "SyncLayout",
     "SyncProgress",
+    "Text",
     "TransferError",
     "TransferStats",
+    "TypedEngine",
     "VerificationError",
     "WeightSyncError",
     "WeightsSource",
@@ -125,9 +135,11 @@ __all__ = [
     "default_host",
     "describe_buffer",
     "device_checksum",
+    "from_wire",
     "iter_named_tensors",
     "rendezvous",
     "resolve_device",
     "run_blocking",
     "synchronize_device",
+    "to_wire",
 ]

@@ -1,13 +1,13 @@
 """A sync's stage arguments as they cross vLLM's process boundaries, and back.
 
 vLLM carries ``collective_rpc`` arguments between its processes as MessagePack (``AsyncLLM``'s
-engine core and workers), which refuses what MessagePack has no type for: kimi's plan holds
-a ``torch.dtype`` in every tensor entry of the share an actor rank cached at its last sync
-(``Object of type <class 'torch.dtype'> is not serializable``). The rollout actor sends every
-stage's arguments as plain data (:func:`plain_arguments`: dataclasses as dicts, a dtype by
-its name), and vLLM's worker rebuilds the types the engine method annotates
-(:func:`typed_arguments`). Both vLLM front ends take the same path, so what works in one
-process works across them.
+engine core and workers), which refuses what MessagePack has no type for (``Object of type
+<class 'torch.dtype'> is not serializable``). weightsync's engines hand their handshake on as
+plain data already (:class:`~weightsync_core.spi.TypedEngine`); an engine written for verl
+may take dataclasses or dtypes. The rollout actor sends every stage's arguments as plain data
+(:func:`plain_arguments`: dataclasses as dicts, a dtype by its name), and vLLM's worker
+rebuilds the types the engine method annotates (:func:`typed_arguments`). Both vLLM front
+ends take the same path, so what works in one process works across them.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def typed_arguments(function: Callable[..., Any], kwargs: dict[str, Any]) -> dic
 
     vLLM carries ``collective_rpc`` arguments to its workers as msgpack, which turns a
     dataclass into a dict and a tuple into a list (and the rollout actor sends dtypes by
-    name); an engine's ``init_process_group`` (kimi's plan, say) takes typed values, which
-    are rebuilt here from their annotations."""
+    name); an engine's ``init_process_group`` that annotates typed values (one written for
+    verl, say) gets them rebuilt here from its annotations."""
     try:
         hints = typing.get_type_hints(function)
     except (NameError, TypeError):  # annotations that do not resolve here: left as sent

@@ -144,6 +144,8 @@ def describe_type(hint: Any) -> str:
         return words[hint]
     if dataclasses.is_dataclass(hint):
         return "a mapping of keys"
+    if _is(hint, msgspec.Struct):
+        return f"a {hint.__name__} ({', '.join(hint.__struct_fields__)})"
     if _is(origin or hint, Mapping):
         key, item = get_args(hint) or (Any, Any)
         return f"a mapping of {describe_type(key)} to {describe_type(item)}"

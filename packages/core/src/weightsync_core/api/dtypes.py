@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROLLOUT_DTYPES", "decode_hook", "parse_dtype", "parse_rollout_dtype"]
+__all__ = ["ROLLOUT_DTYPES", "decode_hook", "encode_hook", "parse_dtype", "parse_rollout_dtype"]
 
 ROLLOUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes a ``rollout_dtype`` may cast to: the floating dtypes an inference replica
@@ -64,3 +64,10 @@ def decode_hook(kind: type, value: Any) -> Any:
             return _DTYPES[value]
         raise ValueError(f"{value!r} is not a torch dtype")
     raise NotImplementedError(f"no decoder for {kind!r}")
+
+
+def encode_hook(value: Any) -> Any:
+    """msgspec's ``enc_hook`` for :func:`decode_hook`'s types: a torch dtype by its name."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise NotImplementedError(f"cannot send a {type(value).__name__} in a control message")

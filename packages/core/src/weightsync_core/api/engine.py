@@ -129,6 +129,11 @@ class CheckpointEngine(ABC):
     :meth:`init_process_group`, then actor ranks call :meth:`send_weights` while rollout
     workers iterate :meth:`receive_weights`, and everyone calls :meth:`finalize`.
 
+    These are verl's untyped methods. weightsync's engines implement them through
+    :class:`~weightsync_core.engines.TypedEngine`, whose typed hooks (``announce``, ``plan``,
+    ``join``) take and return each engine family's
+    :class:`~weightsync_core.api.handshake.Handshake` structures, carried as plain data.
+
     Args:
         bucket_size: bytes per transfer bucket.
         rollout_dtype: cast floating-point tensors to this dtype before sending (one of

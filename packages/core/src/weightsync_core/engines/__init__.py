@@ -1,6 +1,7 @@
 """Engines shipped with core: ``naive`` (colocated), ``gloo`` (collective broadcast),
 ``gloo_sharded`` (sharded delivery point to point), and the bases device and peer-to-peer
-backends build on (``ShardedTransportEngine``: sharded delivery by one-sided writes)."""
+backends build on (``ShardedTransportEngine``: sharded delivery by one-sided writes), and
+``TypedEngine``, the typed handshake every one of them implements."""
 
 from weightsync_core.engines.broadcast import CollectiveBroadcastCheckpointEngine
 from weightsync_core.engines.gloo import GlooCheckpointEngine
@@ -15,6 +16,7 @@ from weightsync_core.engines.sharded_transport import (
     ShardedTransportEngine,
     ShardedTransportOptions,
 )
+from weightsync_core.engines.typed import TypedEngine
 
 __all__ = [
     "CollectiveBroadcastCheckpointEngine",
@@ -27,4 +29,5 @@ __all__ = [
     "ShardedGlooOptions",
     "ShardedTransportEngine",
     "ShardedTransportOptions",
+    "TypedEngine",
 ]

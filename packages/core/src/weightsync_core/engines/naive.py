@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import torch
 
-from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.engine import TransferStats
 from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.handshake import Handshake
 from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.engines.typed import TypedEngine
 
 __all__ = ["ColocatedCheckpointEngine"]
 
 
 @CheckpointEngineRegistry.register("naive")
-class ColocatedCheckpointEngine(CheckpointEngine):
+class ColocatedCheckpointEngine(TypedEngine[Handshake, Handshake]):
     """Hands the actor's weight iterator straight to the colocated rollout server.
 
     ``send_weights`` stores the iterator; ``receive_weights`` (in the same process) iterates it,
@@ -24,21 +26,24 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     """
 
     is_colocated = True
+    family = "colocated sync"
 
     _weights: WeightsSource | None = None
     """The actor's weights, handed from ``send_weights`` to ``receive_weights``."""
 
-    def prepare(self) -> dict[str, Any]:
-        return {}
+    def announce(self) -> Handshake:
+        """Nothing: there is no group to form."""
+        return Handshake()
 
     @classmethod
-    def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        return {}, {}
+    def plan(
+        cls, layout: SyncLayout, metadata: list[Handshake]
+    ) -> tuple[list[Handshake], list[Handshake]]:
+        """Nothing for anyone."""
+        return [Handshake()] * layout.actor_ranks, [Handshake()] * layout.rollout_world_size
 
-    def init_process_group(self, **kwargs: Any) -> None:
-        return None
+    def join(self, arguments: Handshake) -> None:
+        """Nothing to join."""
 
     async def send_weights(
         self, weights: WeightsSource, global_steps: int | None = None

@@ -13,8 +13,9 @@ from typing import Any, ClassVar, cast
 import torch
 
 from weightsync_core.api.config import MAX_BUCKET_MEGABYTES
-from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.engine import TransferStats
 from weightsync_core.api.errors import EmptyWeightsError, WeightSyncError
+from weightsync_core.api.handshake import Count, Handshake, Port, Text
 from weightsync_core.api.hosts import default_host
 from weightsync_core.api.options import EngineOptions
 from weightsync_core.api.registry import CheckpointEngineRegistry
@@ -28,6 +29,8 @@ from weightsync_core.data.shards.specs import (
     resolve_layout,
 )
 from weightsync_core.data.shards.transfers import TransferPlan
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.engines.typed import TypedEngine, decode_metadata, wire_columns
 from weightsync_core.net.blocking import run_blocking
 from weightsync_core.net.process_group import (
     RendezvousStore,
@@ -38,7 +41,14 @@ from weightsync_core.net.process_group import (
 )
 from weightsync_core.net.wire import MessageSealer
 
-__all__ = ["MAX_CHUNK_MEGABYTES", "ShardedGlooCheckpointEngine", "ShardedGlooOptions"]
+__all__ = [
+    "MAX_CHUNK_MEGABYTES",
+    "ShardedArguments",
+    "ShardedGlooCheckpointEngine",
+    "ShardedGlooOptions",
+    "ShardedMetadata",
+    "StoreAddress",
+]
 
 MAX_CHUNK_MEGABYTES = MAX_BUCKET_MEGABYTES
 """The largest ``chunk_megabytes`` (64 GiB): no message or staging buffer is larger than
@@ -81,6 +91,54 @@ class ShardedGlooOptions(EngineOptions):
                              f"{self.group_init_timeout}")
 
 
+class ShardedMetadata(Handshake, frozen=True, kw_only=True):
+    """What a process of a sharded sync announces.
+
+    Attributes:
+        host: where it is reached.
+        port: the port it reserved (actor rank 0 serves the group's store on it).
+        layout: what it holds or needs (a :data:`~weightsync_core.data.shards.LayoutSpec`;
+            None: every tensor whole).
+        weights: on actor rank 0, every tensor's shape and dtype
+            (:func:`~weightsync_core.data.shards.weights_spec`).
+        relay: whether workers of different replicas may relay slices to each other (as
+            actor rank 0's options say).
+    """
+
+    host: Text
+    port: Port
+    layout: dict[str, Any] | None = None
+    weights: dict[str, Any] | None = None
+    relay: bool = True
+
+
+class StoreAddress(Handshake, frozen=True, kw_only=True):
+    """Where a sharded sync's group meets: actor rank 0's store."""
+
+    host: Text
+    port: Port
+
+
+class ShardedArguments(Handshake, frozen=True, kw_only=True):
+    """One process's part in a sharded sync (what ``init_process_group`` takes).
+
+    Attributes:
+        rank: its rank in the group (actor ranks first, then the rollout workers).
+        world_size: every actor rank and rollout worker.
+        master: where the group meets.
+        plan: the transfer plan, as plain data (:meth:`TransferPlan.as_data`).
+        weights: every tensor's shape and dtype, as actor rank 0 declared them.
+        actor_ranks: how many of the group's ranks are actor ranks.
+    """
+
+    rank: int
+    world_size: Count
+    master: StoreAddress
+    plan: list[list[Any]]
+    weights: dict[str, Any]
+    actor_ranks: Count
+
+
 @dataclass
 class _Sync:
     """One sync's group and plan."""
@@ -94,7 +152,7 @@ class _Sync:
 
 
 @CheckpointEngineRegistry.register("gloo_sharded")
-class ShardedGlooCheckpointEngine(CheckpointEngine):
+class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]):
     """Sharded delivery over one gloo group of every actor rank and rollout worker.
 
     Each process declares its layout before ``prepare()``
@@ -111,6 +169,9 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
 
     options_class = ShardedGlooOptions
     executes_layouts: ClassVar[bool] = True
+    metadata_type = ShardedMetadata
+    arguments_type = ShardedArguments
+    family = "sharded sync"
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -129,13 +190,17 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         self.weights_spec = weights
 
     # -- CheckpointEngine ----------------------------------------------------------------
-    def prepare(self) -> dict[str, Any]:
+    def announce(self) -> ShardedMetadata:
+        """Reserve a port and say what this process holds or needs."""
         host = self.host or default_host()
         self._close_listener()
         self._listener = listen_on_free_port(host)
-        return {"host": host, "port": self._listener.getsockname()[1],
-                "layout": self.layout_spec, "weights": self.weights_spec,
-                "relay": self.options.relay}
+        return ShardedMetadata(
+            host=host, port=self._listener.getsockname()[1],
+            layout=None if self.layout_spec is None else dict(self.layout_spec),
+            weights=None if self.weights_spec is None else dict(self.weights_spec),
+            relay=self.options.relay,
+        )
 
     @classmethod
     def build_topology(
@@ -144,47 +209,46 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         """The plan, from every process's layout and actor rank 0's weights (relayed
         between replicas where actor rank 0's options allow it and it is cheaper); the
         replicas not known, every worker together must need the whole model."""
-        return cls._plan_topology(actor_wg_world_size, rollout_world_size, None, metadata)
+        layout = cls.sync_layout(actor_wg_world_size, [1] * rollout_world_size)
+        actor, rollout = cls._plan(layout, decode_metadata(layout, metadata, ShardedMetadata),
+                                   known_replicas=False)
+        return wire_columns(actor, ShardedArguments), wire_columns(rollout, ShardedArguments)
 
     @classmethod
-    def build_replica_topology(
-        cls, actor_wg_world_size: int, replica_sizes: list[int], metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    def plan(
+        cls, layout: SyncLayout, metadata: list[ShardedMetadata]
+    ) -> tuple[list[ShardedArguments], list[ShardedArguments]]:
         """:meth:`build_topology`, every replica's workers together needing the whole model,
         workers named as the manager names them (see
         :func:`~weightsync_core.data.shards.plan_layouts`)."""
-        return cls._plan_topology(actor_wg_world_size, sum(replica_sizes), replica_sizes,
-                                  metadata)
+        return cls._plan(layout, metadata, known_replicas=True)
 
     @classmethod
-    def _plan_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int,
-        replica_sizes: list[int] | None, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        weights = metadata[0].get("weights") if metadata else None
-        if not weights:
+    def _plan(
+        cls, layout: SyncLayout, metadata: list[ShardedMetadata], *, known_replicas: bool
+    ) -> tuple[list[ShardedArguments], list[ShardedArguments]]:
+        head = metadata[0]
+        if not head.weights:
             raise WeightSyncError(
                 "gloo_sharded: actor rank 0 declared no weights (their shapes and dtypes): "
                 "the actor must implement weight_shapes()")
-        shapes, dtypes = parse_weights_spec(weights)
-        size = actor_wg_world_size + rollout_world_size
+        shapes, dtypes = parse_weights_spec(head.weights)
         itemsizes = {name: dtype.itemsize for name, dtype in dtypes.items()}
-        plan = plan_layouts(shapes, [metadata[index].get("layout") for index in range(size)],
-                            actor_wg_world_size, replica_sizes, itemsizes,
-                            relay=bool(metadata[0].get("relay", True))).as_data()
-        master = {"host": metadata[0]["host"], "port": metadata[0]["port"]}
+        actor_ranks = layout.actor_ranks
+        plan = plan_layouts(shapes, [entry.layout for entry in metadata], actor_ranks,
+                            layout.replica_workers if known_replicas else None, itemsizes,
+                            relay=head.relay).as_data()
+        master = StoreAddress(host=head.host, port=head.port)
+        arguments = [ShardedArguments(rank=rank, world_size=layout.world_size, master=master,
+                                      plan=plan, weights=head.weights, actor_ranks=actor_ranks)
+                     for rank in range(layout.world_size)]
+        return arguments[:actor_ranks], arguments[actor_ranks:]
 
-        def side(first: int, count: int) -> dict[str, list[Any]]:
-            return {"rank": list(range(first, first + count)), "world_size": [size] * count,
-                    "master": [master] * count, "plan": [plan] * count,
-                    "weights": [weights] * count, "actor_ranks": [actor_wg_world_size] * count}
-
-        return side(0, actor_wg_world_size), side(actor_wg_world_size, rollout_world_size)
-
-    def init_process_group(self, rank: int, world_size: int, master: dict[str, Any],
-                           plan: list[list[Any]], weights: dict[str, Any],
-                           actor_ranks: int) -> None:
+    def join(self, arguments: ShardedArguments) -> None:
+        """Meet every other process at actor rank 0's store, agree the plan, and get ready to
+        carry this process's pieces."""
         self._end_sync()
+        rank, world_size = arguments.rank, arguments.world_size
         listener, self._listener = self._listener, None
         if rank != 0 and listener is not None:
             listener.close()
@@ -192,22 +256,22 @@ class ShardedGlooCheckpointEngine(CheckpointEngine):
         sealer = MessageSealer(self.session_key)
         key = sealer.derive_key("rendezvous store")
         timeout = self.options.group_init_timeout
-        store = create_store(master["host"], master["port"], rank, world_size, timeout,
-                             "gloo_sharded", key, listener=listener)
+        store = create_store(arguments.master.host, arguments.master.port, rank, world_size,
+                             timeout, "gloo_sharded", key, listener=listener)
         try:
             rendezvous(store, rank, world_size, timeout)
             group = cast(PointToPoint, new_gloo_group(store.store, rank, world_size,
                                                       self.timeout, self.host or default_host()))
-            shapes, dtypes = parse_weights_spec(weights)
+            shapes, dtypes = parse_weights_spec(arguments.weights)
             sent_dtypes = {name: cast_for_rollout(torch.empty(0, dtype=dtype),
                                                   self.rollout_dtype).dtype
                            for name, dtype in dtypes.items()}
-            exchange = PlanExchange(group, TransferPlan.from_data(plan), shapes, sent_dtypes,
-                                    actor_ranks, sealer,
+            exchange = PlanExchange(group, TransferPlan.from_data(arguments.plan), shapes,
+                                    sent_dtypes, arguments.actor_ranks, sealer,
                                     int(self.options.chunk_megabytes * 2**20), self.timeout,
                                     lambda data: self.bucket_checksum(data))
-            is_actor = rank < actor_ranks
-            own = rank if is_actor else rank - actor_ranks
+            is_actor = rank < arguments.actor_ranks
+            own = rank if is_actor else rank - arguments.actor_ranks
             who = f"{'actor' if is_actor else 'rollout'} rank {own}"
             layout = resolve_layout(self.layout_spec, shapes, who)
             exchange.agree(rank, world_size)

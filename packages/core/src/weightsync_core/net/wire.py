@@ -17,9 +17,8 @@ import hmac
 from typing import Any, Generic, TypeVar
 
 import msgspec
-import torch
 
-from weightsync_core.api.dtypes import decode_hook
+from weightsync_core.api.dtypes import decode_hook, encode_hook
 from weightsync_core.api.errors import MalformedMessageError, UnauthenticatedMessageError
 from weightsync_core.api.session_key import check_session_key
 
@@ -79,12 +78,6 @@ class MessageSealer:
         return hmac.digest(self._key, label.encode(), "sha256")
 
 
-def _encode_hook(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    raise NotImplementedError(f"cannot send a {type(value).__name__} in a control message")
-
-
 class MessageCodec(Generic[M]):
     """Encodes and validates messages of one schema (a ``msgspec`` type, usually a union of
     tagged ``msgspec.Struct`` classes) as MessagePack.
@@ -94,7 +87,7 @@ class MessageCodec(Generic[M]):
     """
 
     def __init__(self, schema: Any) -> None:
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=encode_hook)
         self._decoder = msgspec.msgpack.Decoder(schema, dec_hook=decode_hook)
 
     def encode(self, message: M) -> bytes:

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.distributed_c10d import Store
 
 import weightsync_core.engines.broadcast.protocol as protocol
-from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.engine import TransferStats
 from weightsync_core.api.errors import (
     EmptyWeightsError,
     SenderAbortedError,
@@ -32,7 +32,13 @@ from weightsync_core.data.bucketing import (
     WeightsSource,
     iter_named_tensors,
 )
-from weightsync_core.data.topology import EVERY_LOCAL_ACTOR_RANK, broadcast_topology
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.data.topology import (
+    EVERY_LOCAL_ACTOR_RANK,
+    BroadcastArguments,
+    BroadcastMetadata,
+    plan_broadcast,
+)
 from weightsync_core.data.verification import DeliveryVerifier
 from weightsync_core.engines.broadcast.group import BroadcastGroup, Collective, GroupLifecycle
 from weightsync_core.engines.broadcast.protocol import (
@@ -44,6 +50,7 @@ from weightsync_core.engines.broadcast.protocol import (
 )
 from weightsync_core.engines.broadcast.relay import BroadcastRelay
 from weightsync_core.engines.options import CollectiveBroadcastOptions
+from weightsync_core.engines.typed import TypedEngine
 from weightsync_core.net.blocking import retrieve_exception, run_blocking
 from weightsync_core.net.wire import MessageSealer
 
@@ -53,7 +60,9 @@ _MAX_IN_FLIGHT = 4
 """Messages the sender keeps posted ahead of the receivers."""
 
 
-class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
+class CollectiveBroadcastCheckpointEngine(
+    BroadcastRelay, TypedEngine[BroadcastMetadata, BroadcastArguments]
+):
     """Broadcast buckets from a sending actor rank to its rollout workers over one group.
 
     Topology (see :mod:`weightsync_core.data.topology`): actor rank 0 is group rank 0 (the
@@ -72,6 +81,9 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
     device_type: ClassVar[str] = "cpu"
     options_class = CollectiveBroadcastOptions
     options: CollectiveBroadcastOptions
+    metadata_type = BroadcastMetadata
+    arguments_type = BroadcastArguments
+    family = "broadcast"
 
     @classmethod
     def buckets_in_host_memory(cls, options: Any) -> int:
@@ -132,32 +144,31 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         devices.synchronize_device(self.device)
 
     # -- CheckpointEngine ----------------------------------------------------------------
-    def prepare(self) -> dict[str, Any]:
+    def announce(self) -> BroadcastMetadata:
+        """Reserve a port (served if this process becomes a group's rank 0) and offer the
+        group it holds for reuse."""
         host = self._own_host()
-        return {
-            "host": host,
-            "port": self._lifecycle.reserve_port(host),
-            "member": self.member_id,
-            "group": self._lifecycle.key,
-            "senders": self.senders,
-        }
+        return BroadcastMetadata(
+            host=host, port=self._lifecycle.reserve_port(host), member=self.member_id,
+            group=self._lifecycle.key, senders=self.senders,
+        )
 
     @classmethod
-    def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        return broadcast_topology(actor_wg_world_size, rollout_world_size, metadata)
+    def plan(
+        cls, layout: SyncLayout, metadata: list[BroadcastMetadata]
+    ) -> tuple[list[BroadcastArguments], list[BroadcastArguments]]:
+        """Each sender's group of rollout workers
+        (:func:`~weightsync_core.data.topology.plan_broadcast`)."""
+        return plan_broadcast(layout, metadata)
 
-    def init_process_group(
-        self,
-        rank: int,
-        world_size: int,
-        master_metadata: dict[str, Any] | None,
-        members: list[str] | None = None,
-    ) -> None:
+    def join(self, arguments: BroadcastArguments) -> None:
+        """Keep the group held where every member reports it intact, else build the group
+        anew (an actor rank of rank -1 only gives its reserved port up)."""
+        rank, world_size, master = (arguments.rank, arguments.world_size,
+                                    arguments.master_metadata)
         sealer = MessageSealer(self.session_key)
-        if rank >= 0 and master_metadata and master_metadata.get("reuse"):
-            self._lifecycle.reuse(rank, master_metadata, members, sealer)
+        if rank >= 0 and master is not None and master.reuse:
+            self._lifecycle.reuse(rank, master, arguments.members, sealer)
             self.rank, self.world_size = rank, world_size
             return
         self._destroy_group()
@@ -165,13 +176,13 @@ class CollectiveBroadcastCheckpointEngine(BroadcastRelay, CheckpointEngine):
         if rank < 0:
             self._lifecycle.close_listener()
             return
-        if master_metadata is None:
+        if master is None:
             raise WeightSyncError(
                 f"{type(self).__name__}: group rank {rank} needs the group's master_metadata "
                 "(from build_topology) to join it"
             )
         self._lifecycle.build(
-            rank, world_size, master_metadata, members, sealer, host=self._own_host(),
+            rank, world_size, master, arguments.members, sealer, host=self._own_host(),
             timeout=self.timeout, new_data_group=self.new_data_group,
         )
         self._healthy = True

@@ -13,12 +13,13 @@ import dataclasses
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from torch.distributed.distributed_c10d import BroadcastOptions, PrefixStore, Store, Work
 
 from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.data.topology import GroupKey, MasterAddress
 from weightsync_core.net.process_group import (
     RendezvousStore,
     create_store,
@@ -73,7 +74,7 @@ class GroupLifecycle:
         self.group_name = group_name
         self.init_timeout = init_timeout
         self.group: BroadcastGroup | None = None
-        self.key: dict[str, Any] | None = None
+        self.key: GroupKey | None = None
         """What identifies the group held (its port and members), offered for reuse."""
         self._listener: socket.socket | None = None
 
@@ -92,14 +93,14 @@ class GroupLifecycle:
             listener.close()
 
     def reuse(
-        self, rank: int, master_metadata: dict[str, Any], members: list[str] | None,
+        self, rank: int, master_metadata: MasterAddress, members: tuple[str, ...] | None,
         sealer: MessageSealer,
     ) -> None:
         """Keep the held group for this sync (with its key); it must be the one asked for."""
         self.close_listener()
-        if self.group is None or self.key != {
-            "port": master_metadata["port"], "members": members
-        }:
+        if self.group is None or self.key != GroupKey(
+            port=master_metadata.port, members=members or ()
+        ):
             raise WeightSyncError(
                 f"{self.engine_name}: asked to reuse a group this process does not hold "
                 f"(rank {rank}); the topology and the engine state disagree"
@@ -107,8 +108,8 @@ class GroupLifecycle:
         self.group = dataclasses.replace(self.group, sealer=sealer)
 
     def build(
-        self, rank: int, world_size: int, master_metadata: dict[str, Any],
-        members: list[str] | None, sealer: MessageSealer, *, host: str, timeout: float,
+        self, rank: int, world_size: int, master_metadata: MasterAddress,
+        members: tuple[str, ...] | None, sealer: MessageSealer, *, host: str, timeout: float,
         new_data_group: NewDataGroup,
     ) -> None:
         """Rendezvous with the other ranks and build the communicators (group rank 0
@@ -118,7 +119,7 @@ class GroupLifecycle:
             listener.close()
             listener = None
         rendezvous_store = create_store(
-            master_metadata["host"], master_metadata["port"], rank, world_size,
+            master_metadata.host, master_metadata.port, rank, world_size,
             self.init_timeout, self.group_name, sealer.derive_key("rendezvous store"),
             listener=listener,
         )
@@ -132,9 +133,9 @@ class GroupLifecycle:
         except BaseException:
             rendezvous_store.close()
             raise
-        sender = f"actor rank {master_metadata.get('sender', 0)}"
+        sender = f"actor rank {master_metadata.sender}"
         self.group = BroadcastGroup(control, data, rendezvous_store, sender, sealer)
-        self.key = {"port": master_metadata["port"], "members": members}
+        self.key = GroupKey(port=master_metadata.port, members=members or ())
 
     def destroy(self) -> None:
         """Drop the group."""

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync_core.api.engine import CheckpointEngine, TransferStats
+from weightsync_core.api.engine import TransferStats
 from weightsync_core.api.errors import (
     EmptyWeightsError,
     SenderAbortedError,
@@ -25,12 +25,14 @@ from weightsync_core.data.bucketing import (
     iter_named_tensors,
 )
 from weightsync_core.data.devices import allocate_bucket, resolve_device, synchronize_device
-from weightsync_core.data.topology import ring_topology
+from weightsync_core.data.sync_layout import SyncLayout
+from weightsync_core.data.topology import RingMetadata, RingPlacement, plan_ring
 from weightsync_core.engines.options import RingOptions
 from weightsync_core.engines.ring.messages import Abort, Final, RingMessage
 from weightsync_core.engines.ring.receive import RingReceiver
-from weightsync_core.engines.ring.session import Placement, RingLink, RingSession
+from weightsync_core.engines.ring.session import RingLink, RingSession
 from weightsync_core.engines.ring.slots import RegisteredSlots
+from weightsync_core.engines.typed import TypedEngine
 from weightsync_core.net.channel import ControlChannel, PeerEndpoints
 from weightsync_core.net.transport import PeerTransport
 
@@ -40,7 +42,7 @@ _ABORT_NOTICE_SECONDS = 5.0
 """How long a failing hop tries to tell its downstream neighbour that the sync is off."""
 
 
-class RingCheckpointEngine(CheckpointEngine):
+class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
     """Pipelined ring over a one-sided :class:`PeerTransport` (the protocol:
     :mod:`weightsync_core.engines.ring`).
 
@@ -60,6 +62,9 @@ class RingCheckpointEngine(CheckpointEngine):
     options_class = RingOptions
     options: RingOptions
     supports_delta: ClassVar[bool] = True
+    metadata_type = RingMetadata
+    arguments_type = RingPlacement
+    family = "ring"
 
     def __init__(self, bucket_size: int, **kwargs: Any) -> None:
         super().__init__(bucket_size, **kwargs)
@@ -70,7 +75,7 @@ class RingCheckpointEngine(CheckpointEngine):
         self.keep_buffers = options.keep_buffers
         self.rebuild_group = options.rebuild_group
         self._endpoints = PeerEndpoints(host, self.create_transport, RingMessage)
-        self._placement: Placement | None = None
+        self._placement: RingPlacement | None = None
         self.local_slots = RegisteredSlots(
             lambda: allocate_bucket(self.bucket_size, self.device), lambda: self.transport
         )
@@ -104,7 +109,7 @@ class RingCheckpointEngine(CheckpointEngine):
         """This process's transport endpoint (created on first use)."""
         return self._endpoints.transport
 
-    def describe(self, placement: Placement | None = None) -> str:
+    def describe(self, placement: RingPlacement | None = None) -> str:
         """``"<Engine> on actor rank 0"`` / ``"... on rollout rank 2"``, for messages."""
         placement = placement or self._placement
         if placement is None:
@@ -116,32 +121,26 @@ class RingCheckpointEngine(CheckpointEngine):
         return f"{type(self).__name__} on {where}"
 
     # -- CheckpointEngine ----------------------------------------------------------------
-    def prepare(self) -> dict[str, Any]:
-        return {"endpoint": self.channel.endpoint}
+    def announce(self) -> RingMetadata:
+        """This process's control channel (bound on first use)."""
+        return RingMetadata(endpoint=self.channel.endpoint)
 
     @classmethod
-    def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
-    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        return ring_topology(actor_wg_world_size, rollout_world_size, metadata)
+    def plan(
+        cls, layout: SyncLayout, metadata: list[RingMetadata]
+    ) -> tuple[list[RingPlacement], list[RingPlacement]]:
+        """Actor rank 0 heads the ring, rollout workers follow in rank order
+        (:func:`~weightsync_core.data.topology.plan_ring`)."""
+        return plan_ring(layout, metadata)
 
-    def init_process_group(
-        self,
-        position: int,
-        sync_id: str,
-        upstream: str | None = None,
-        upstream_name: str | None = None,
-        downstream: str | None = None,
-        downstream_name: str | None = None,
-    ) -> None:
-        placement = Placement(
-            position, sync_id, upstream, upstream_name, downstream, downstream_name
-        )
+    def join(self, arguments: RingPlacement) -> None:
+        """Take this sync's key and place; only the neighbours may reach the channel."""
         self.channel.use_key(self.session_key)
-        self.channel.keep_only({e for e in (upstream, downstream) if e is not None})
-        self._placement = placement
-        if position >= 0:
-            self.local_slots.resize(2 if position == 0 else self.slots)
+        self.channel.keep_only({e for e in (arguments.upstream, arguments.downstream)
+                                if e is not None})
+        self._placement = arguments
+        if arguments.position >= 0:
+            self.local_slots.resize(2 if arguments.position == 0 else self.slots)
 
     def sends_weights(self) -> bool:
         """Only the ring's head (the first actor rank) reads and sends the weights."""
@@ -254,7 +253,7 @@ class RingCheckpointEngine(CheckpointEngine):
         """The buffers a rollout worker copies buckets into (allocated on first use)."""
         return ReceiveBuffers(lambda: allocate_bucket(self.bucket_size, self.device))
 
-    def _open_session(self, placement: Placement) -> RingSession:
+    def _open_session(self, placement: RingPlacement) -> RingSession:
         """This sync's session; one an earlier sync left running is superseded first."""
         if self._session is not None:
             self._session.supersede()
@@ -274,7 +273,7 @@ class RingCheckpointEngine(CheckpointEngine):
         if self._session is session:
             self._session = None
 
-    def _require_placement(self, *, sender: bool) -> Placement:
+    def _require_placement(self, *, sender: bool) -> RingPlacement:
         placement = self._placement
         if placement is None:
             raise WeightSyncError(

@@ -1,4 +1,5 @@
-"""One ring sync in one process: where the process sits in the ring (:class:`Placement`), what
+"""One ring sync in one process: where the process sits in the ring (its
+:class:`~weightsync_core.data.topology.RingPlacement`), what
 the process lends the sync (:class:`RingLink`), the inbox reader that routes messages, bounded
 waits that fail fast, and the connection to the downstream neighbour and the writes into its
 slots."""
@@ -15,6 +16,7 @@ import torch
 from weightsync_core.api.engine import SyncProgress
 from weightsync_core.api.errors import TransferError
 from weightsync_core.data.bucketing import BucketMeta
+from weightsync_core.data.topology import RingPlacement
 from weightsync_core.engines.ring.messages import (
     Abort,
     BucketReady,
@@ -28,20 +30,7 @@ from weightsync_core.net.blocking import run_blocking
 from weightsync_core.net.channel import ControlChannel, PeerEndpoints
 from weightsync_core.net.transport import PeerTransport, RemoteBuffer
 
-__all__ = ["Placement", "RingLink", "RingSession"]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """This process's place in one sync's ring (from
-    :func:`~weightsync_core.data.topology.ring_topology`)."""
-
-    position: int
-    sync_id: str
-    upstream: str | None
-    upstream_name: str | None
-    downstream: str | None
-    downstream_name: str | None
+__all__ = ["RingLink", "RingSession"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +72,7 @@ class RingSession:
     upstream) or to the slot credits (from downstream), writes buckets into the downstream
     neighbour's slots, and fails fast when any background task of the sync fails."""
 
-    def __init__(self, link: RingLink, placement: Placement) -> None:
+    def __init__(self, link: RingLink, placement: RingPlacement) -> None:
         self.link = link
         self.placement = placement
         self.from_upstream: asyncio.Queue[BucketReady | Final | Abort] = asyncio.Queue()
