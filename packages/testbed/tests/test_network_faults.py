@@ -17,12 +17,17 @@ import ray
 
 from weightsync_core import CheckpointEngineConfig, SyncStageError
 from weightsync_core.testing import SyncHarness
+from weightsync_core.testing.profile import by_profile
 from weightsync_testbed import HostPlacement, Testbed, TestbedUnavailableError
 
 ACTORS = ["a0"]
 REPLICAS = ["r0", "r1", "r2"]  # replica i on REPLICAS[i]
 GRACE_SECONDS = 3.0
 """How far past its timeout a failing sync may return (probe and clean-up)."""
+CUT_TIMEOUT = by_profile(default=6.0, long=10.0)
+"""The sync timeout of the syncs that a partition or a cut cable can only end at their
+timeout: a healthy sync here takes 0.3-4 s (5% loss included; docs/testbed.md), and the cable
+is cut after the third tensor, within about a second."""
 
 
 class _NetworkFaults:
@@ -97,7 +102,7 @@ class _NetworkFaults:
         testbed.partition("r0", "r1")
         try:
             self._sync_under_fault(testbed, harness, "partition r0 | r1", 103, {"r0", "r1"},
-                                   timeout=10)
+                                   timeout=CUT_TIMEOUT)
         finally:
             testbed.heal("r0", "r1")
         self._next_sync_exact(harness, 104)
@@ -125,7 +130,7 @@ class _NetworkFaults:
 
         with testbed.fault_when(receiving, lambda: testbed.link_down("r2")) as injected:
             outcome = self._sync_under_fault(testbed, harness, "link of r2 down mid-sync",
-                                             107, {"r2"}, timeout=10)
+                                             107, {"r2"}, timeout=CUT_TIMEOUT)
         assert injected.is_set(), "the sync ended before the link could be cut"
         assert outcome.startswith("failed"), "a sync completed without a receiver's link"
         try:
