@@ -16,11 +16,16 @@ import torch
 from vllm_sync_support import cpu_threads_bind, running_rollout
 
 from weightsync_core import SyncStageError
+from weightsync_core.testing.profile import by_profile
 from weightsync_core.testing.weights import Faults
 from weightsync_vllm import AsyncVLLMRolloutWorker, VLLMReplica, VLLMRolloutWorker
 
 PROMPTS = torch.randint(0, 8192, (2, 5), generator=torch.Generator().manual_seed(4))
 NEW_TOKENS = 4
+FAILING_TIMEOUT = by_profile(default=6, long=10)
+"""The sync timeout of the failing sharded sync, which a vLLM worker waiting for a piece its
+sibling was to relay ends only at its timeout: a healthy sync of this model takes about a
+second."""
 
 
 @pytest.fixture(scope="module", params=[VLLMRolloutWorker, AsyncVLLMRolloutWorker],
@@ -105,13 +110,14 @@ def test_a_failed_sharded_sync_leaves_a_tp2_replica_that_the_next_syncs_recover(
     entered vLLM's executor while the failed ``update_weights`` was still in it, the two
     read each other's replies, and every later sync failed at ``locate``
     (``rollout_rank_hosts[0] must be a host name (str), got None``). The failed sync runs
-    under a 10 s timeout: a vLLM worker may wait that long for a piece its sibling was to
-    relay (``nixl_sharded``), and the manager's ``abort`` reaches no worker before then."""
+    under a short timeout (:data:`FAILING_TIMEOUT`): a vLLM worker may wait that long for a
+    piece its sibling was to relay (``nixl_sharded``), and the manager's ``abort`` reaches no
+    worker before then."""
     replica = VLLMReplica(rollout, tensor_parallel_size=2)
     names = ray.get(source.actor.tensor_names.remote())
     source.perturb(PROMPTS, NEW_TOKENS)
     failing = source.manager_into(rollout, backend, Faults(raise_after=len(names) // 2),
-                                  replica, sync_timeout_seconds=10)
+                                  replica, sync_timeout_seconds=FAILING_TIMEOUT)
     with pytest.raises(SyncStageError, match="injected failure"):
         failing.update_weights(1)
     with pytest.raises(ray.exceptions.RayTaskError, match="did not complete"):
