@@ -266,7 +266,7 @@ def test_the_sharded_engines_builder_checks_each_replica():
                "relay": True} for spec in ACTORS]
 
     def metadata(*layouts):
-        return [*actors, *({"host": "127.0.0.1", "port": 0, "layout": layout}
+        return [*actors, *({"host": "127.0.0.1", "port": 2, "layout": layout}
                            for layout in layouts)]
 
     right = metadata(None, *_tp(DECODER, 2))
