@@ -9,9 +9,10 @@ its path. Run it as ``churner HOST PORT[,PORT...] MODE AMOUNT``:
   for each (closed with a reset, as a scanner does: no ``TIME_WAIT`` is left to exhaust the
   attacker's ports); a connection the listener did not complete within 100 ms counts as
   refused;
-- ``hold N``: open ``N`` connections to each port and hold them until SIGTERM (child
-  processes share the work where one process may not hold so many descriptors); a
-  connection the listener did not complete within a second counts as refused;
+- ``hold N``: open ``N`` connections to each port, all at once, and hold them until SIGTERM
+  (child processes share the work where one process may not hold so many descriptors); a
+  connection the listener did not complete within two seconds (one SYN retry) counts as
+  refused;
 - ``seconds S``: open and close connections to every port, as fast as it can, for ``S``
   seconds, the same way (started before the listener, it churns from the moment it
   listens);
@@ -87,17 +88,18 @@ static void reset_close(int fd) {
   close(fd);
 }
 
-/* Start connections k = first .. last - 1 (to addrs[k % nports]), up to BATCH at once
+/* Start connections k = first .. last - 1 (to addrs[k % nports]), up to `batch` at once
    without waiting for each, and wait up to `wait` seconds for them: those the listener
    completed count in `completed` and are kept open (`keep`) or reset, the rest count in
    `failed` and are reset. Returns the k it got to. */
 #define BATCH 256
 static long connect_batch(struct sockaddr_in *addrs, int nports, long first, long last,
-                          double wait, int keep, long *completed, long *failed) {
-  struct pollfd fds[BATCH];
+                          long batch, double wait, int keep, long *completed, long *failed) {
+  struct pollfd *fds = calloc((size_t)batch, sizeof(struct pollfd));
+  if (!fds) { (*failed) += last - first; return last; }
   int n = 0;
   long k = first;
-  while (k < last && n < BATCH) {
+  while (k < last && n < batch) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
     struct sockaddr_in *addr = &addrs[k++ % nports];
     if (fd < 0) { (*failed)++; break; }  /* out of descriptors: wait for this batch */
@@ -132,6 +134,7 @@ static long connect_batch(struct sockaddr_in *addrs, int nports, long first, lon
   }
   for (int i = 0; i < n; i++)
     if (fds[i].fd >= 0) { reset_close(fds[i].fd); (*failed)++; }
+  free(fds);
   return k;
 }
 
@@ -167,15 +170,15 @@ int main(int argc, char **argv) {
     for (int i = 0; i < nports; i++) {
       long before = connections + refused;
       while (connections + refused - before < (long)amount && !stop)
-        connect_batch(&addrs[i], 1, 0, (long)amount - (connections + refused - before), 0.1,
-                      0, &connections, &refused);
+        connect_batch(&addrs[i], 1, 0, (long)amount - (connections + refused - before),
+                      BATCH, 0.1, 0, &connections, &refused);
     }
   } else if (strcmp(mode, "seconds") == 0) {
     printf("ready\n");
     fflush(stdout);
     while (!stop && now() - start < amount) {
       for (int i = 0; i < nports; i++)
-        connect_batch(&addrs[i], 1, 0, BATCH, 0.1, 0, &connections, &refused);
+        connect_batch(&addrs[i], 1, 0, BATCH, BATCH, 0.1, 0, &connections, &refused);
     }
   } else if (strcmp(mode, "watch") == 0) {
     static int initial[65536], now_listening[65536];
@@ -200,7 +203,7 @@ int main(int argc, char **argv) {
       }
       if (nports == 0) { usleep(1000); continue; }
       for (int i = 0; i < nports; i++)
-        connect_batch(&addrs[i], 1, 0, BATCH, 0.1, 0, &connections, &refused);
+        connect_batch(&addrs[i], 1, 0, BATCH, BATCH, 0.1, 0, &connections, &refused);
     }
   } else if (strcmp(mode, "hold") == 0) {
     struct rlimit limit;
@@ -218,8 +221,9 @@ int main(int argc, char **argv) {
       if (pids[c] == 0) {
         long mine = 0, failed = 0;
         long last = (long)(c + 1) * per_child < total ? (long)(c + 1) * per_child : total;
+        /* all at once: a full backlog costs one SYN retry (a second), not one per batch */
         for (long k = (long)c * per_child; k < last; )
-          k = connect_batch(addrs, nports, k, last, 1.0, 1, &mine, &failed);
+          k = connect_batch(addrs, nports, k, last, last - k, 2.0, 1, &mine, &failed);
         long report[2] = {mine, failed};
         if (write(pipes[1], report, sizeof(report)) != sizeof(report)) _exit(1);
         while (!stop) pause();

@@ -18,7 +18,7 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import TypedDict
 
 __all__ = ["attack"]
@@ -83,7 +83,8 @@ class _Probe(TypedDict, total=False):
 def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
     """Join ``port`` as a TCPStore client; try to list and read rendezvous state (keys it
     did not write itself: ``written``) and to claim every rank. A port that is no store may
-    never answer the client's handshake: given up after 2 s."""
+    never answer the client's handshake: given up after 2 s (a store on this host answers
+    in milliseconds)."""
     result: _Probe = {}
 
     def probe() -> None:
@@ -92,7 +93,7 @@ def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
         try:
             # public API, but torch.distributed re-exports it without ``__all__``/``as``
             store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                host, port, is_master=False, timeout=datetime.timedelta(seconds=4),
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=2),
                 wait_for_workers=False,
             )
         except Exception:  # not a store
@@ -107,7 +108,7 @@ def _store_probe(host: str, port: int, written: set[str]) -> _Probe:
 
     worker = threading.Thread(target=probe, daemon=True)
     worker.start()
-    worker.join(5.0)
+    worker.join(3.0)
     return result.copy()
 
 
@@ -131,10 +132,11 @@ def _attack_port(context, host: str, port: int, marker: str, written: set[str]) 
 def attack(
     host: str, ports: list[int], marker: str, seconds: float, stop: dict[str, bool]
 ) -> dict[str, object]:
-    """Attack every port in rounds for ``seconds`` (or until ``stop["now"]``), the ports of
-    a round at once (a port that is no store holds its probe for up to 2 s); returns what
-    was learned: ``stores`` (ports that spoke the TCPStore protocol), ``listed`` (keys they
-    listed) and ``keys_found`` (rendezvous keys the outsider could read)."""
+    """Attack every port in rounds for ``seconds`` (or until ``stop["now"]``: the report
+    follows at once, with what the round under way learned so far), the ports of a round at
+    once (a port that is no store holds its probe for up to 3 s); returns what was learned:
+    ``stores`` (ports that spoke the TCPStore protocol), ``listed`` (keys they listed) and
+    ``keys_found`` (rendezvous keys the outsider could read)."""
     import zmq
 
     context = zmq.Context()
@@ -143,23 +145,31 @@ def attack(
     keys_found: list[str] = []
     listed: list[str] = []
     written: dict[int, set[str]] = {port: set() for port in ports}
+
+    def learn(port: int, probe: _Probe) -> None:
+        nonlocal keys_found
+        if probe.get("store") and port not in stores:
+            stores.append(port)
+        keys_found += probe.get("keys_found", [])
+        listed.extend(key for key in probe.get("listed", []) if key not in listed)
+
     deadline = time.monotonic() + seconds
+    pool = ThreadPoolExecutor(max_workers=max(1, len(ports)))
     try:
-        with ThreadPoolExecutor(max_workers=max(1, len(ports))) as pool:
-            while not stop["now"] and time.monotonic() < deadline:
-                probes = pool.map(
-                    lambda port: (port, _attack_port(context, host, port, marker, written[port])),
-                    ports,
-                )
-                for port, probe in probes:
-                    if probe.get("store") and port not in stores:
-                        stores.append(port)
-                    keys_found += probe.get("keys_found", [])
-                    listed += [key for key in probe.get("listed", []) if key not in listed]
-                rounds += 1
-                print("ready" if rounds == 1 else f"round {rounds}", flush=True)
+        while not stop["now"] and time.monotonic() < deadline:
+            pending = {pool.submit(_attack_port, context, host, port, marker, written[port]): port
+                       for port in ports}
+            while pending and not stop["now"]:
+                done, _ = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                for future in done:
+                    learn(pending.pop(future), future.result())
+            if pending:  # stopped mid-round
+                break
+            rounds += 1
+            print("ready" if rounds == 1 else f"round {rounds}", flush=True)
     finally:
-        context.term()
+        pool.shutdown(wait=False, cancel_futures=True)  # probes stuck in a handshake: left
+        context.term()  # every ZeroMQ socket is closed within its 200 ms send timeout
     return {"rounds": rounds, "stores": stores, "keys_found": keys_found, "listed": listed}
 
 
