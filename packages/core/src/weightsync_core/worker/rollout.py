@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from weightsync_core.worker.lifecycle import (
     execute_engine_method,
     written_for_verl,
 )
+from weightsync_core.worker.staging import StagedWeights, stage_weights
 
 __all__ = ["CheckpointEngineWorker"]
 
@@ -51,6 +53,12 @@ class CheckpointEngineWorker:
     global_steps)``. ``custom_backend_module`` is imported in this process before the
     backend is resolved.
 
+    A sync either loads into the server as it arrives (:meth:`update_weights`: the server
+    is paused for all of it), or in two phases: :meth:`stage_weights` receives and checks it
+    whole while the server serves its version, :meth:`commit_staged` hands it over (the
+    server paused for that step only) and rolls back to the version it served where that
+    fails (:mod:`weightsync_core.worker.staging` says what each keeps).
+
     Attributes:
         weights_version: ``global_steps`` of the last complete update (``None`` before one).
         update_complete: False while an update is running or after one failed part-way.
@@ -66,6 +74,11 @@ class CheckpointEngineWorker:
         self.update_complete = True
         self.manifest_guard = ManifestGuard()
         self.delta_receiver = DeltaReceiver()
+        self.staged: StagedWeights | None = None
+        """The staged update (:meth:`stage_weights`), until committed or discarded."""
+        self.rollback_copy: StagedWeights | None = None
+        """A private copy of the version the server serves, from the last staged commit
+        (None before one, and after a sync loaded as it arrived)."""
 
     def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
         """This worker's server adapter, which must be a ``kind``.
@@ -154,10 +167,101 @@ class CheckpointEngineWorker:
         self.delta_receiver.forget()
         return await self._load(engine.get_weights(), global_steps, allow_manifest_change)
 
+    async def stage_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
+    ) -> dict[str, float]:
+        """Phase 1 of a staged sync: receive one version of the weights whole and check it
+        (each bucket's checksum in the engine, every tensor against the previous manifest as
+        in :meth:`update_weights`, a delta sync's rebuilt tensors against the sender's
+        digests) into a stage the server does not read; the server serves its version
+        throughout, untouched. A stage not yet committed is replaced. Arguments as for
+        :meth:`update_weights`; a delta sync patches a private copy of the last version,
+        never the server's own tensors.
+
+        Raises:
+            WeightSyncError: what :meth:`update_weights` raises before loading; the server
+                serves its version and nothing is staged.
+        """
+        self.discard_staged()
+        engine = self.checkpoint_engine
+        plan = DeltaPlan.from_arguments(delta_base, delta_version)
+        if plan is not None:
+            self.delta_receiver.detach_from_server()
+        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan)
+        if written_for_verl(engine):
+            weights = _owned_copies(weights)
+        self.manifest_guard.start(allow_change=allow_manifest_change)
+        start = time.perf_counter()
+        staged = await stage_weights(weights, global_steps, self.manifest_guard,
+                                     engine.progress)
+        self.staged = staged
+        stats: dict[str, float] = {"num_tensors": len(staged), "nbytes": staged.nbytes,
+                                   "seconds": time.perf_counter() - start}
+        if plan is not None:
+            stats.update(self.delta_receiver.last_stats.as_dict())
+        return stats
+
+    async def commit_staged(self) -> dict[str, float]:
+        """Phase 2: hand the staged version to the server (the caller pauses it around this
+        call) and keep it as the copy to roll back to. Where the server fails to take it,
+        it gets back the version it served (from :attr:`rollback_copy`) and serves that;
+        without such a copy (no staged commit before), it holds a mix of versions and
+        refuses to serve, as after a failed :meth:`update_weights`.
+
+        Raises:
+            WeightSyncError: nothing is staged, or the server failed to take the stage
+                (saying whether it was rolled back, and to which version).
+        """
+        staged = self.staged
+        if staged is None:
+            raise WeightSyncError(
+                "this rollout worker has no staged weights to commit: stage_weights must "
+                "succeed first (a failed or discarded stage leaves none)")
+        self.staged = None
+        previous = self.rollback_copy
+        try:
+            stats = await self._load(staged.handed_over(), staged.version, True)
+        except BaseException as error:  # a cancelled commit rolls back too
+            rolled_back = await self._roll_back(previous)
+            if not isinstance(error, Exception):
+                raise
+            raise WeightSyncError(
+                f"the server failed to take staged version {staged.version}: {error}; "
+                + (f"it was rolled back to version {self.weights_version}, which it serves"
+                   if rolled_back else "it holds a mix of versions and refuses to serve "
+                   "until a sync completes (there was no copy of its version to roll back "
+                   "to)")) from error
+        self.rollback_copy = staged
+        return stats
+
+    async def _roll_back(self, previous: StagedWeights | None) -> bool:
+        """Load ``previous`` (the copy of the version the server served) into the server
+        after a failed commit; whether the server is whole again. The delta copy is dropped
+        either way (it holds the version that failed): the next sync is a full one."""
+        self.delta_receiver.forget()
+        if previous is None:
+            return False
+        try:
+            await self._load(previous.handed_over(), previous.version, True)
+        except Exception:
+            logger.exception("rolling back to version %s failed", previous.version)
+            return False
+        self.rollback_copy = previous  # still the server's version
+        return True
+
+    def discard_staged(self) -> None:
+        """Drop the staged update, if any (the server never saw it). The delta copy is
+        dropped with it (it holds the staged version): the next sync is a full one."""
+        if self.staged is not None:
+            self.staged = None
+            self.delta_receiver.forget()
+
     async def _load(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None,
         allow_manifest_change: bool,
     ) -> dict[str, float]:
+        self.rollback_copy = None  # the server's version is about to change
         self.update_complete = False
         self.manifest_guard.start(allow_change=allow_manifest_change)
         if written_for_verl(self.checkpoint_engine):
@@ -177,13 +281,20 @@ class CheckpointEngineWorker:
         return offer()
 
     def weights_status(self) -> dict[str, Any]:
-        """``{"version": ..., "complete": ..., "delta_version": ..., "delta_kept_bytes":
-        ...}`` of the weights this worker serves (``delta_version``: the token of the
-        version it holds a copy of for delta syncs, or None; ``delta_kept_bytes``: the size
-        of the copies it keeps itself, the server's tensors patched in place not counted)."""
+        """``{"version", "complete", "delta_version", "delta_kept_bytes", "staged_version",
+        "staged_bytes", "rollback_version", "rollback_bytes"}`` of the weights this worker
+        serves (``delta_version``: the token of the version it holds a copy of for delta
+        syncs, or None; ``delta_kept_bytes``: the size of the copies it keeps itself, the
+        server's tensors patched in place not counted), stages (None and 0 where nothing
+        is staged) and could roll back to."""
+        staged, rollback = self.staged, self.rollback_copy
         return {"version": self.weights_version, "complete": self.update_complete,
                 "delta_version": self.delta_receiver.version,
-                "delta_kept_bytes": self.delta_receiver.kept_bytes}
+                "delta_kept_bytes": self.delta_receiver.kept_bytes,
+                "staged_version": None if staged is None else staged.version,
+                "staged_bytes": 0 if staged is None else staged.nbytes,
+                "rollback_version": None if rollback is None else rollback.version,
+                "rollback_bytes": 0 if rollback is None else rollback.nbytes}
 
     async def _adapter_call(self, method: str) -> None:
         function = getattr(self.server_adapter, method, None)

@@ -288,6 +288,14 @@ class DeltaReceiver(_Versioned):
         return sum(copy.numel() * copy.element_size() for name, copy in self.baselines.items()
                    if name not in self._in_place)
 
+    def detach_from_server(self) -> None:
+        """Make every copy that is the server's own tensor (patched in place by earlier
+        syncs) a private copy, so that decoding the next sync writes into no tensor the
+        server serves (a staged sync, whose server keeps serving the last version)."""
+        for name in self._in_place:
+            self.baselines[name] = self.baselines[name].clone()
+        self._in_place.clear()
+
     def stream(self, received: AsyncIterator[tuple[str, torch.Tensor]],
                plan: DeltaPlan | None, in_place: Mapping[str, torch.Tensor] | None = None,
                ) -> AsyncIterator[tuple[str, torch.Tensor]]:

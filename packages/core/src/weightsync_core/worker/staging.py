@@ -1,0 +1,82 @@
+"""A staged update in one rollout process: the weights of a sync received whole, checked and
+kept apart from the inference server while it serves its current version (phase 1), then
+handed to the server in one step (phase 2), with a private copy of the version it served
+to roll back to where that step fails.
+
+Memory, in bytes of the model in its rollout dtype (M; a sharded worker's share where it
+receives slices): a stage holds M from the end of phase 1 until it is committed or
+discarded, and the copy kept to roll back to holds M from the first commit on, so a worker
+holds 2M at the peak of a staged sync, M between syncs. A delta-enabled sync keeps its own
+copy of the last version besides (:class:`~weightsync_core.data.delta.DeltaReceiver`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weightsync_core.api.engine import SyncProgress
+from weightsync_core.data.verification import ManifestGuard
+
+__all__ = ["StagedWeights", "stage_weights"]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class StagedWeights:
+    """One version of the weights held apart from the server: every tensor of a sync in
+    the order it arrived, each a tensor of its own (no engine or server writes into it).
+
+    Attributes:
+        version: the ``global_steps`` of the sync that brought it.
+        tensors: ``(name, tensor)`` in arrival order.
+    """
+
+    version: int | None
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds (a tensor's storage shared with another counted once per tensor)."""
+        return sum(_nbytes(tensor) for _, tensor in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    async def handed_over(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Every tensor as a copy of its own, for a server to load (it may keep or change
+        what it gets; this stage stays as it was)."""
+        for name, tensor in self.tensors:
+            yield name, tensor.clone()
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)
+
+
+async def stage_weights(
+    weights: AsyncIterator[tuple[str, torch.Tensor]], version: int | None,
+    guard: ManifestGuard, progress: SyncProgress,
+) -> StagedWeights:
+    """Receive the whole of ``weights`` into a :class:`StagedWeights`, each tensor checked
+    against the previous sync's manifest as it arrives (``guard``: a changed tensor, a
+    missing one or an empty stream is refused); the tensors must be the caller's to keep
+    (what weightsync's engines and :class:`~weightsync_core.data.delta.DeltaReceiver` yield
+    are). The guard's reference moves only once the stage is applied (``guard.accept()``).
+    """
+    staged = StagedWeights(version)
+    progress.tensors = 0
+    try:
+        progress.enter("receiving")
+        async for name, tensor in weights:
+            guard.check(name, tensor)
+            staged.tensors.append((name, tensor))
+            progress.tensors += 1
+        guard.finish()
+    finally:
+        progress.enter("idle")
+    return staged
