@@ -7,7 +7,7 @@ obeys one command per line on stdin:
   random offset of one random target's first registered buffer (a rollout worker's slot 0);
   answers ``wrote <target> <offset> <delay> <code>`` (code 0: it landed). Slots move when a
   failed sync re-registers them: a write that fails looks the targets up again afresh and
-  tries once more.
+  tries once more (``wrote none 0 <delay> -1`` where that lookup found none);
 - ``read``: read the first ``SPAN`` bytes of every target's first buffer; answers ``read``
   and, per target, the number of non-zero bytes seen (registered memory holding weights);
 - ``quit``.
@@ -26,7 +26,9 @@ from mooncake.engine import TransferEngine
 WRITE_BYTES = 4096
 SPAN = 1 << 20
 """Bytes of each target's first buffer it writes into and reads (the test's bucket size)."""
-LOOKUP_SECONDS = 5.0
+LOOKUP_SECONDS = 15.0
+"""How long a lookup of one port may take (a few milliseconds on an idle machine; seconds
+when the machine runs other tests besides)."""
 
 
 class Outsider:
@@ -69,6 +71,10 @@ class Outsider:
     def write(self, delay_bound: float) -> str:
         delay = self.rng.uniform(0, delay_bound)
         time.sleep(delay)
+        if not self.targets:  # the last lookup found none (a sync was re-registering)
+            self.engine = self._start()
+        if not self.targets:
+            return f"wrote none 0 {delay:.3f} -1"
         session = self.rng.choice(sorted(self.targets))
         offset = self.rng.randrange(0, SPAN - WRITE_BYTES)
         code = self._write(session, offset)
