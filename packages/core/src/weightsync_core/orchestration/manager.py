@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import sys
+import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import ray
 
 from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
 from weightsync_core.api.engine import CheckpointEngineWithCache
-from weightsync_core.api.errors import MetadataError, SyncStageError
+from weightsync_core.api.errors import MetadataError, SyncStageError, WeightSyncError
 from weightsync_core.api.plugins import load_custom_backend_module
 from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.api.registry import CheckpointEngineRegistry
@@ -30,6 +31,7 @@ from weightsync_core.orchestration.blame import (
     metadata_culprit,
     settings_mismatch,
 )
+from weightsync_core.orchestration.commit import ReplicaCommit, commit_replica
 from weightsync_core.orchestration.delta_ledger import DeltaLedger
 from weightsync_core.orchestration.ray_group import RayWorkerGroup
 from weightsync_core.orchestration.stages import Calls, SyncStages
@@ -137,12 +139,19 @@ class _SyncProcesses:
             return list(zip(self.names, refs, strict=True))
         return calls
 
-    def send_calls(self, global_steps: int | None, options: dict[str, Any]) -> Callable[[], Calls]:
+    def send_calls(self, global_steps: int | None, options: dict[str, Any],
+                   staged: bool = False) -> Callable[[], Calls]:
         """Each process's side of the transfer: the actor ranks send, the rollout workers
-        receive (the groups' ``update_weights``)."""
+        receive (the groups' ``update_weights``; ``staged``: ``stage_weights``)."""
+        receive = self.rollout.update_weights
+        if staged:
+            receive = getattr(self.rollout, "stage_weights", None)
+            if receive is None:
+                raise TypeError(f"{type(self.rollout).__qualname__} has no stage_weights: its "
+                                "workers cannot stage an update; use update_weights")
         return lambda: list(zip(self.names, [
             *self.actor.update_weights(global_steps, **options),
-            *self.rollout.update_weights(global_steps, **options),
+            *receive(global_steps, **options),
         ], strict=True))
 
     def cache_calls(self, global_steps: int | None) -> Callable[[], Calls]:
@@ -230,6 +239,9 @@ class CheckpointEngineManager:
         """Host address of each process and replica (by name) as of the last sync; cleared
         when replicas are added or removed."""
         self._cleanup: list[ray.ObjectRef] = []
+        self._staged: list[RolloutReplica] = []
+        """The replicas whose workers hold the stage of the last :meth:`stage_weights`, until
+        it is committed or discarded."""
         self.add_replicas(replicas)
 
     @property
@@ -370,7 +382,148 @@ class CheckpointEngineManager:
     async def _update_weights(
         self, global_steps: int | None, allow_manifest_change: bool
     ) -> dict[str, float]:
+        self._staged = []  # the workers drop their stages: this sync brings a newer version
         return await self._sync(list(self.replicas), global_steps, False, allow_manifest_change)
+
+    def stage_weights_sync(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """:meth:`stage_weights` for synchronous callers."""
+        return run_sync(self._stage_weights(global_steps, allow_manifest_change))
+
+    @awaitable_or_blocking
+    async def stage_weights(
+        self, global_steps: int | None = None, *, allow_manifest_change: bool = False
+    ) -> dict[str, float]:
+        """Phase 1 of a staged sync: move the actor's current weights into a stage on every
+        replica's workers (:meth:`CheckpointEngineWorker.stage_weights`), checked whole,
+        while every replica keeps serving its version (none is paused); :meth:`commit_weights`
+        then switches them. The stages' of :meth:`update_weights` as they are, the transfer
+        into the stages. A failure raises as :meth:`update_weights` does, and leaves every
+        replica serving its version, not paused, not stale: every stage is discarded, and
+        the next sync proceeds normally. Metrics as :meth:`update_weights`.
+
+        Raises:
+            TypeError: the backend hands weights over inside the actor's process (``naive``):
+                it has nothing to stage.
+        """
+        return await self._stage_weights(global_steps, allow_manifest_change)
+
+    async def _stage_weights(
+        self, global_steps: int | None, allow_manifest_change: bool
+    ) -> dict[str, float]:
+        if self.backend_cls.is_colocated:
+            raise TypeError(f"backend {self.backend!r} hands the weights over inside the "
+                            "actor's process: there is no stage; use update_weights")
+        self._staged = []
+        return await self._sync(list(self.replicas), global_steps, False,
+                                allow_manifest_change, staged=True)
+
+    def commit_weights_sync(self) -> dict[str, float]:
+        """:meth:`commit_weights` for synchronous callers."""
+        return run_sync(self._commit_weights())
+
+    @awaitable_or_blocking
+    async def commit_weights(self) -> dict[str, float]:
+        """Phase 2 of a staged sync: on every replica of the last :meth:`stage_weights` at
+        once, pause it (``abort_all_requests``), hand each worker's stage to its server
+        (:meth:`CheckpointEngineWorker.commit_staged`), resume it (``resume_generation``):
+        a replica is paused for its own switch only. Where a server fails to take its stage,
+        its worker rolls it back to the version it served and the replica is resumed on that
+        version; a replica with a worker that could not roll back (no copy yet, or it died)
+        stays paused and is listed in :attr:`stale_replicas`.
+
+        Returns metrics (``weightsync/`` prefix): ``seconds/commit``, ``pause_seconds`` (the
+        longest any replica was paused) and ``replicas_committed``.
+
+        Raises:
+            WeightSyncError: nothing is staged (stage first; a failed or discarded stage
+                leaves nothing).
+            SyncStageError: (stage ``commit``) a replica's server failed to take its stage,
+                naming the first worker that failed, which replicas took the update, which
+                were rolled back and which are stale; each timeout is
+                ``sync_timeout_seconds``.
+        """
+        return await self._commit_weights()
+
+    async def _commit_weights(self) -> dict[str, float]:
+        replicas, self._staged = self._staged, []
+        if not replicas:
+            raise WeightSyncError("nothing is staged to commit: call stage_weights first (a "
+                                  "failed or discarded stage leaves nothing staged)")
+        start = time.monotonic()
+        timeout = self.config.sync_timeout_seconds
+        outcomes = await asyncio.gather(*(
+            commit_replica(replica, self._worker_names(replica), timeout,
+                           lambda r: r.abort_all_requests(), lambda r: r.resume_generation())
+            for replica in replicas), return_exceptions=True)
+        whole = [outcome.replica for outcome in outcomes
+                 if isinstance(outcome, ReplicaCommit) and not outcome.failures]
+        self.stale_replicas = [stale for stale in self.stale_replicas
+                               if not any(stale is replica for replica in whole)]
+        if len(whole) < len(replicas):
+            raise self._commit_error(replicas, outcomes)
+        return {"weightsync/seconds/commit": time.monotonic() - start,
+                "weightsync/pause_seconds": max(outcome.paused_seconds for outcome in outcomes
+                                                if isinstance(outcome, ReplicaCommit)),
+                "weightsync/replicas_committed": float(len(replicas))}
+
+    def _commit_error(self, replicas: list[RolloutReplica],
+                      outcomes: list[ReplicaCommit | BaseException]) -> SyncStageError:
+        """The error of a commit where some replica failed; marks the replicas that stay
+        paused with a mix of versions stale."""
+        took, rolled_back, stale = [], [], []
+        first: tuple[str, BaseException] | None = None
+        for index, (replica, outcome) in enumerate(zip(replicas, outcomes, strict=True)):
+            name = self._replica_name(replica, index)
+            if isinstance(outcome, BaseException):  # its pause or resume failed
+                first = first or (name, outcome)
+                stale.append(replica)
+                continue
+            if not outcome.failures:
+                took.append(name)
+                continue
+            first = first or outcome.failures[0]
+            if outcome.serving:
+                rolled_back.append(name)
+            else:
+                stale.append(replica)
+        self.stale_replicas += [r for r in stale
+                                if not any(r is known for known in self.stale_replicas)]
+        culprit, cause = first or ("", RuntimeError("unknown"))
+        stale_names = [self._replica_name(r, replicas.index(r)) for r in stale]
+        return SyncStageError(
+            f"weight sync ({self.backend}) failed at stage 'commit': {culprit}: "
+            f"{describe_exception(cause)}. Took the update: {took or 'none'}; rolled back "
+            f"to the version they served, and serving: {rolled_back or 'none'}; left paused "
+            f"with a mix of versions (see manager.stale_replicas): {stale_names or 'none'}.",
+            stage="commit", worker=culprit or None)
+
+    def discard_staged_weights_sync(self) -> None:
+        """:meth:`discard_staged_weights` for synchronous callers."""
+        run_sync(self._discard_staged_weights())
+
+    @awaitable_or_blocking
+    async def discard_staged_weights(self) -> None:
+        """Drop the stages of the last :meth:`stage_weights` (no replica ever saw them)."""
+        await self._discard_staged_weights()
+
+    async def _discard_staged_weights(self) -> None:
+        replicas, self._staged = self._staged, []
+        workers = [worker for replica in replicas for worker in replica.workers]
+        await self._finish_cleanup([worker.discard_staged.remote() for worker in workers])
+
+    async def _recover_stage(self, error: SyncStageError, replicas: list[RolloutReplica]
+                             ) -> None:
+        """After a failed :meth:`stage_weights`: abort every engine of the sync, and have
+        every worker drop what it staged; no replica was paused or changed."""
+        workers = [worker for replica in replicas for worker in replica.workers]
+        cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
+                   *_abort_calls(lambda: self.rollout_group(workers), "the rollout workers"),
+                   *(worker.discard_staged.remote() for worker in workers)]
+        await self._finish_cleanup(cleanup)
+        error.args = (f"{error.args[0]}. Nothing was committed: every replica serves the "
+                      "version it served, not paused; the stages were discarded.",)
 
     def update_replicas_from_cache_sync(
         self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
@@ -409,17 +562,19 @@ class CheckpointEngineManager:
 
     async def _sync(
         self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
-        allow_manifest_change: bool,
+        allow_manifest_change: bool, staged: bool = False,
     ) -> dict[str, float]:
         """One sync to ``replicas``: pause them, move the weights (in one round, or, in a
         delta sync where only some replicas hold the actor side's version, a round of
         patches to those and one of whole tensors to the rest), resume them; returns the
-        metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised."""
+        metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised.
+        ``staged``: phase 1 of a staged sync, into the workers' stages, nothing paused (a
+        failure discards every stage: :meth:`_recover_stage`)."""
         stages = self._stages()
         await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
-        paused = replicas if not self.backend_cls.is_colocated else []
+        paused = replicas if not (self.backend_cls.is_colocated or staged) else []
         rounds: list[_Round] = []
         done: list[_Round] = []
         try:
@@ -430,7 +585,7 @@ class CheckpointEngineManager:
             rounds = await self._rounds(stages, replicas, from_cache, allow_manifest_change)
             for round_ in rounds:
                 await self._move(stages, round_, global_steps, from_cache,
-                                 allow_manifest_change, mixed=len(rounds) > 1)
+                                 allow_manifest_change, mixed=len(rounds) > 1, staged=staged)
                 done.append(round_)
         except BaseException as exc:
             if self.delta_ledger is not None and not from_cache:
@@ -439,13 +594,18 @@ class CheckpointEngineManager:
                 self.delta_ledger.failed()
             error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
             in_flight = rounds[len(done)].replicas if len(done) < len(rounds) else replicas
-            await asyncio.shield(self._recover(error, replicas, in_flight))
+            recovery = (self._recover_stage(error, replicas) if staged else
+                        self._recover(error, replicas, in_flight))
+            await asyncio.shield(recovery)
             if error is exc or isinstance(exc, asyncio.CancelledError):
                 raise
             raise error from exc
-        self.stale_replicas = [
-            stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
-        ]
+        if staged:
+            self._staged = list(replicas)
+        else:
+            self.stale_replicas = [
+                stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
+            ]
         if self.delta_ledger is not None and not from_cache:
             self.delta_ledger.succeeded(
                 (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
@@ -515,7 +675,8 @@ class CheckpointEngineManager:
             round_.plan = DeltaPlan(plan.version)
 
     async def _move(self, stages: SyncStages, round_: _Round, global_steps: int | None,
-                    from_cache: bool, allow_manifest_change: bool, mixed: bool) -> None:
+                    from_cache: bool, allow_manifest_change: bool, mixed: bool,
+                    staged: bool = False) -> None:
         """One round's transfer; fills in what ``round_`` sent and loaded. A failure in one
         of the two rounds of a mixed delta sync says which replicas it moved to (its error
         names processes and replicas as the manager numbers them, as every sync's does)."""
@@ -525,7 +686,7 @@ class CheckpointEngineManager:
                 round_.sent = await self._hand_over_in_process(stages, global_steps, options)
             else:
                 round_.sent, round_.loaded = await self._send_to_replicas(
-                    stages, round_, global_steps, from_cache, options
+                    stages, round_, global_steps, from_cache, options, staged
                 )
             self._check_tensors_moved(round_.sent)
         except SyncStageError as error:
@@ -556,7 +717,7 @@ class CheckpointEngineManager:
 
     async def _send_to_replicas(
         self, stages: SyncStages, round_: _Round, global_steps: int | None,
-        from_cache: bool, options: dict[str, Any],
+        from_cache: bool, options: dict[str, Any], staged: bool = False,
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The engines' stages of a sync from the actor ranks (or, ``from_cache``, the actor
         side's cache) to the workers of ``round_``'s replicas, under its delta plan (which
@@ -588,7 +749,7 @@ class CheckpointEngineManager:
             sent, loaded = results[:1], results
         else:
             results = await stages.run(
-                "transfer", processes.send_calls(global_steps, options), progress
+                "transfer", processes.send_calls(global_steps, options, staged), progress
             )
             sent, loaded = results[: layout.actor_ranks], results[layout.actor_ranks:]
         await stages.run("finalize", processes.engine_calls("finalize"), progress)

@@ -63,6 +63,14 @@ class RayWorkerGroup:
         return [self.remote_method(worker, "update_weights").remote(
                     global_steps, allow_manifest_change, **delta) for worker in self.workers]
 
+    def stage_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
+    ) -> list[Any]:
+        """Rollout workers only: phase 1 of a staged sync, into each worker's stage."""
+        return [self.remote_method(worker, "stage_weights").remote(
+                    global_steps, allow_manifest_change, **delta) for worker in self.workers]
+
     def update_weights_from_cache(self, global_steps: int | None = None) -> list[Any]:
         """Rollout workers only: load the actor side's cached weights (kimi)."""
         return [self.remote_method(worker, "update_weights_from_cache").remote(global_steps)

@@ -93,10 +93,12 @@ class RecordingServerAdapter:
     """A stand-in inference server that keeps a digest of each received tensor.
 
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
-    forever (simulating a crashed or hung inference server). ``delay_per_tensor``: seconds
-    to spend on each tensor (a slow server). ``keep``: hold on to every
-    received tensor, across updates, like a server that adopts the engine's tensors as its
-    parameters; :meth:`changed_kept_tensors` tells which of them were overwritten since.
+    forever (simulating a crashed or hung inference server). ``refuse_after``: after that
+    many tensors, raise once (a server that refuses one load, and takes the next).
+    ``delay_per_tensor``: seconds to spend on each tensor (a slow server). ``keep``: hold on
+    to every received tensor, across updates, like a server that adopts the engine's tensors
+    as its parameters; :meth:`changed_kept_tensors` tells which of them were overwritten
+    since.
     ``convert``: change every received tensor in place once its digest is taken, as a server
     that converts weights while loading them does (what it keeps is the converted tensor).
     """
@@ -107,6 +109,7 @@ class RecordingServerAdapter:
         self.lifecycle: list[str] = []
         self.die_after: int | None = None
         self.stall_after: int | None = None
+        self.refuse_after: int | None = None
         self.delay_per_tensor = 0.0
         self.discard = False
         self.keep = False
@@ -127,6 +130,9 @@ class RecordingServerAdapter:
                 os._exit(1)
             if self.stall_after is not None and len(received) >= self.stall_after:
                 await asyncio.sleep(3600)
+            if self.refuse_after is not None and len(received) >= self.refuse_after:
+                self.refuse_after = None
+                raise ValueError(f"the server refused tensor {name!r}")
             if self.delay_per_tensor:
                 await asyncio.sleep(self.delay_per_tensor)
             received[name] = None if self.discard else digest(tensor)
@@ -176,14 +182,16 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         keep: bool = False,
         delay_per_tensor: float = 0.0,
         convert: bool = False,
+        refuse_after: int | None = None,
     ) -> None:
-        """Make the server die or stall after that many tensors (``None``: behave), take
-        ``delay_per_tensor`` seconds per tensor, skip digests (``discard``), keep every
-        tensor until the update ends (``keep``), or change each in place as it loads it
-        (``convert``)."""
+        """Make the server die or stall after that many tensors (``None``: behave), refuse
+        its next load after ``refuse_after`` tensors, take ``delay_per_tensor`` seconds per
+        tensor, skip digests (``discard``), keep every tensor until the update ends
+        (``keep``), or change each in place as it loads it (``convert``)."""
         adapter = self._recorder()
         adapter.die_after = die_after
         adapter.stall_after = stall_after
+        adapter.refuse_after = refuse_after
         adapter.delay_per_tensor = delay_per_tensor
         adapter.discard = discard
         adapter.keep = keep

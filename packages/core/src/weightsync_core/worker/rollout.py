@@ -79,6 +79,9 @@ class CheckpointEngineWorker:
         self.rollback_copy: StagedWeights | None = None
         """A private copy of the version the server serves, from the last staged commit
         (None before one, and after a sync loaded as it arrived)."""
+        self.replaced_copy: StagedWeights | None = None
+        """The copy of the version the last staged commit replaced, until the next stage
+        (:meth:`roll_back_commit`: another worker of the replica failed to take its stage)."""
 
     def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
         """This worker's server adapter, which must be a ``kind``.
@@ -145,6 +148,7 @@ class CheckpointEngineWorker:
         arrives as that version; with ``delta_base``, what arrives are patches against the
         version of that token, which this worker must hold
         (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
+        self.discard_staged()  # this version is newer than any stage
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
@@ -164,6 +168,7 @@ class CheckpointEngineWorker:
                 f"backend {self.config.backend!r} keeps no cache of the latest weights; "
                 "new replicas get them from the next update_weights"
             )
+        self.discard_staged()
         self.delta_receiver.forget()
         return await self._load(engine.get_weights(), global_steps, allow_manifest_change)
 
@@ -184,6 +189,7 @@ class CheckpointEngineWorker:
                 serves its version and nothing is staged.
         """
         self.discard_staged()
+        self.replaced_copy = None
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
@@ -232,8 +238,25 @@ class CheckpointEngineWorker:
                    if rolled_back else "it holds a mix of versions and refuses to serve "
                    "until a sync completes (there was no copy of its version to roll back "
                    "to)")) from error
-        self.rollback_copy = staged
+        self.rollback_copy, self.replaced_copy = staged, previous
         return stats
+
+    async def roll_back_commit(self) -> None:
+        """Undo this worker's last commit, which its server took (another worker of its
+        replica failed to take its stage: a replica must not serve two versions): load the
+        copy of the version it served before (:attr:`replaced_copy`).
+
+        Raises:
+            WeightSyncError: there is no such copy, or the server failed to take it (it then
+                holds a mix of versions and refuses to serve).
+        """
+        previous, self.replaced_copy = self.replaced_copy, None
+        if previous is None:
+            raise WeightSyncError("this rollout worker has no copy of the version before its "
+                                  "last commit to roll back to")
+        if not await self._roll_back(previous):
+            raise WeightSyncError(f"rolling back to version {previous.version} failed: the "
+                                  "server holds a mix of versions and refuses to serve")
 
     async def _roll_back(self, previous: StagedWeights | None) -> bool:
         """Load ``previous`` (the copy of the version the server served) into the server
@@ -261,7 +284,7 @@ class CheckpointEngineWorker:
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None,
         allow_manifest_change: bool,
     ) -> dict[str, float]:
-        self.rollback_copy = None  # the server's version is about to change
+        self.rollback_copy = self.replaced_copy = None  # the server's version changes
         self.update_complete = False
         self.manifest_guard.start(allow_change=allow_manifest_change)
         if written_for_verl(self.checkpoint_engine):

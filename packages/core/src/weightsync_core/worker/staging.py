@@ -5,9 +5,11 @@ to roll back to where that step fails.
 
 Memory, in bytes of the model in its rollout dtype (M; a sharded worker's share where it
 receives slices): a stage holds M from the end of phase 1 until it is committed or
-discarded, and the copy kept to roll back to holds M from the first commit on, so a worker
-holds 2M at the peak of a staged sync, M between syncs. A delta-enabled sync keeps its own
-copy of the last version besides (:class:`~weightsync_core.data.delta.DeltaReceiver`).
+discarded; the copy of the version the server serves (to roll back to) M from the first
+commit on; the copy of the version the last commit replaced (to roll a replica back when
+another of its workers failed) M until the next stage begins: a worker holds 2M at most. A
+delta-enabled sync keeps its own copy of the last version besides
+(:class:`~weightsync_core.data.delta.DeltaReceiver`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""Phase 2 of a staged sync: each replica paused, its workers' stages handed to the server,
+resumed; a replica where a server failed to take its stage is rolled back (every worker of
+it: a replica serves one version) and resumed on the version it served, or, where a worker
+could not roll back (or died), left paused and reported stale."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync_core.api.protocols import RolloutReplica
+
+__all__ = ["ReplicaCommit", "commit_replica"]
+
+
+@dataclass
+class ReplicaCommit:
+    """How one replica's commit ended.
+
+    Attributes:
+        replica: the replica.
+        failures: ``(worker name, error)`` of each worker whose server failed to take its
+            stage (empty: the replica serves the new version).
+        serving: whether the replica serves after the commit (the new version, or, after a
+            failure, the one it served before: every worker rolled back).
+        paused_seconds: how long the replica was paused.
+    """
+
+    replica: RolloutReplica
+    failures: list[tuple[str, BaseException]] = field(default_factory=list)
+    serving: bool = True
+    paused_seconds: float = 0.0
+
+
+async def _status(worker: Any) -> dict[str, Any] | None:
+    """``worker``'s :meth:`weights_status` (None where it does not answer: it died)."""
+    try:
+        return await worker.weights_status.remote()
+    except Exception:
+        return None
+
+
+async def commit_replica(
+    replica: RolloutReplica, worker_names: Sequence[str], timeout_seconds: float,
+    pause: Callable[[RolloutReplica], Awaitable[None]],
+    resume: Callable[[RolloutReplica], Awaitable[None]],
+) -> ReplicaCommit:
+    """Pause ``replica`` (``pause``), commit every worker's stage (``commit_staged``, at
+    once, within ``timeout_seconds``), and resume it (``resume``) unless a worker is left
+    holding a mix of versions (it reports ``complete`` False, or does not answer). A worker
+    that fails rolls its own server back (:meth:`CheckpointEngineWorker.commit_staged`), and
+    the replica's workers that took theirs roll back too (``roll_back_commit``)."""
+    outcome = ReplicaCommit(replica)
+    workers = list(replica.workers)
+    start = time.monotonic()
+    await asyncio.wait_for(pause(replica), timeout_seconds)
+    calls = [asyncio.wait_for(_awaited(worker.commit_staged.remote()), timeout_seconds)
+             for worker in workers]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    outcome.failures = [(name, result) for name, result in zip(worker_names, results, strict=True)
+                        if isinstance(result, BaseException)]
+    if outcome.failures:  # the workers that took theirs go back too: one version per replica
+        took = [worker for worker, result in zip(workers, results, strict=True)
+                if not isinstance(result, BaseException)]
+        await asyncio.gather(*(asyncio.wait_for(_awaited(worker.roll_back_commit.remote()),
+                                                timeout_seconds) for worker in took),
+                             return_exceptions=True)
+        statuses = await asyncio.gather(*(_status(worker) for worker in workers))
+        outcome.serving = all(status is not None and status.get("complete")
+                              for status in statuses)
+    if outcome.serving:
+        await asyncio.wait_for(resume(replica), timeout_seconds)
+    outcome.paused_seconds = time.monotonic() - start
+    return outcome
+
+
+async def _awaited(call: Awaitable[Any]) -> Any:
+    return await call

@@ -1,0 +1,147 @@
+"""A staged sync through the manager, over real gloo groups between real Ray actors: phase 1
+(``stage_weights``) moves and checks the update while every replica keeps serving, nothing
+paused; phase 2 (``commit_weights``) pauses each replica for its own switch only. A failure
+in phase 1 leaves every replica serving its version, not paused, not stale; a server that
+fails to take its stage in phase 2 is rolled back to the version it served and resumed."""
+
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineManager,
+    SyncStageError,
+    WeightSyncError,
+)
+from weightsync_core.testing.harness import SyncHarness
+
+PAUSE = "abort_all_requests"
+RESUME = "resume_generation"
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[SyncHarness]:
+    """One actor rank, a replica of one worker and one of two."""
+    config = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1,
+                                    sync_timeout_seconds=30)
+    deployment = SyncHarness(config, actor_world_size=1, replica_sizes=(1, 2))
+    try:
+        yield deployment
+    finally:
+        deployment.shutdown()
+
+
+def _lifecycles(harness: SyncHarness) -> list[list[str]]:
+    return [list(report["lifecycle"]) for report in harness.reports()]
+
+
+def _statuses(harness: SyncHarness) -> list[dict]:
+    return ray.get([worker.weights_status.remote()
+                    for replica in harness.replicas for worker in replica.workers])
+
+
+def _delivered(harness: SyncHarness, expected: dict, step: int) -> None:
+    for index, report in enumerate(harness.reports()):
+        wrong = sorted(name for name in expected if report["received"].get(name) != expected[name])
+        assert not wrong and set(report["received"]) == set(expected), (
+            f"worker {index}: differing {wrong[:5]}")
+        assert report["global_steps"][-1] == step
+
+
+def _staged_sync(manager: CheckpointEngineManager, harness: SyncHarness, step: int) -> dict:
+    expected = harness.set_weights(seed=step)
+    manager.stage_weights_sync(global_steps=step)
+    manager.commit_weights_sync()
+    _delivered(harness, expected, step)
+    return expected
+
+
+def test_a_stage_pauses_nothing_and_the_commit_switches_every_replica(harness):
+    manager = harness.manager()
+    harness.set_weights(seed=1)
+    manager.update_weights_sync(global_steps=1, allow_manifest_change=True)
+    before = _lifecycles(harness)
+    loads = [len(report["global_steps"]) for report in harness.reports()]
+    expected = harness.set_weights(seed=2)
+    manager.stage_weights_sync(global_steps=2)
+    assert _lifecycles(harness) == before, "a stage paused a replica"
+    assert [len(report["global_steps"]) for report in harness.reports()] == loads
+    assert all(status["staged_version"] == 2 and status["version"] == 1
+               for status in _statuses(harness))
+    metrics = manager.commit_weights_sync()
+    _delivered(harness, expected, 2)
+    for was, now in zip(before, _lifecycles(harness), strict=True):
+        assert now[len(was):] == [PAUSE, RESUME]
+    assert metrics["weightsync/replicas_committed"] == 2
+    assert 0 < metrics["weightsync/pause_seconds"] <= metrics["weightsync/seconds/commit"]
+    assert all(status["version"] == 2 and status["staged_version"] is None
+               for status in _statuses(harness))
+    with pytest.raises(WeightSyncError, match="nothing is staged to commit"):
+        manager.commit_weights_sync()
+
+
+def test_a_corrupt_bucket_in_phase_one_leaves_every_replica_serving_its_version(harness):
+    manager = harness.manager()
+    expected = _staged_sync(manager, harness, 10)
+    before = _lifecycles(harness)
+    harness.set_weights(seed=11)
+    ray.get(harness.actors[0].corrupt_checksum.remote(0))
+    try:
+        with pytest.raises(SyncStageError, match="Nothing was committed: every replica serves "
+                           "the version it served") as info:
+            manager.stage_weights_sync(global_steps=11)
+    finally:
+        ray.get(harness.actors[0].corrupt_checksum.remote(None))
+    assert info.value.stage == "transfer"
+    assert manager.stale_replicas == []
+    assert _lifecycles(harness) == before, "a failed stage paused a replica"
+    assert all(status["version"] == 10 and status["complete"]
+               and status["staged_version"] is None for status in _statuses(harness))
+    _delivered(harness, expected, 10)
+    with pytest.raises(WeightSyncError, match="nothing is staged"):
+        manager.commit_weights_sync()
+    _staged_sync(manager, harness, 12)  # the next sync proceeds normally
+
+
+def test_a_server_refusing_its_stage_is_rolled_back_and_resumed_on_its_version(harness):
+    manager = harness.manager()
+    previous = _staged_sync(manager, harness, 20)
+    refusing = harness.replicas[1].workers[1]
+    ray.get(refusing.set_faults.remote(refuse_after=2))
+    expected = harness.set_weights(seed=21)
+    manager.stage_weights_sync(global_steps=21)
+    with pytest.raises(SyncStageError, match=r"failed at stage 'commit': rollout rank 2 "
+                       r"\(replica 1, worker 1\): .*refused tensor.*rolled back to version "
+                       r"20.*Took the update: \['replica 0'\]; rolled back to the version "
+                       r"they served, and serving: \['replica 1'\]") as info:
+        manager.commit_weights_sync()
+    assert info.value.stage == "commit"
+    assert manager.stale_replicas == []
+    reports = harness.reports()
+    assert reports[0]["received"] == expected
+    # both workers of replica 1 back on version 20: the one that took 21 rolled back too
+    assert reports[1]["received"] == reports[2]["received"] == previous
+    statuses = _statuses(harness)
+    assert [status["version"] for status in statuses] == [21, 20, 20]
+    assert all(status["complete"] for status in statuses)
+    assert _lifecycles(harness)[2][-2:] == [PAUSE, RESUME], "the rolled back replica serves"
+    _staged_sync(manager, harness, 22)  # the next sync proceeds normally
+
+
+def test_an_update_after_a_stage_drops_it_and_a_discarded_stage_is_gone(harness):
+    manager = harness.manager()
+    harness.set_weights(seed=30)
+    manager.stage_weights_sync(global_steps=30)
+    expected = harness.set_weights(seed=31)
+    manager.update_weights_sync(global_steps=31)
+    assert all(status["staged_version"] is None for status in _statuses(harness))
+    with pytest.raises(WeightSyncError, match="nothing is staged"):
+        manager.commit_weights_sync()
+    _delivered(harness, expected, 31)
+    harness.set_weights(seed=32)
+    manager.stage_weights_sync(global_steps=32)
+    manager.discard_staged_weights_sync()
+    assert all(status["staged_version"] is None for status in _statuses(harness))
+    _delivered(harness, expected, 31)
