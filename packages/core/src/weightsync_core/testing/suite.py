@@ -671,9 +671,13 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         assert report["listed"] == [], f"a rendezvous store listed its keys: {report}"
         assert report["stores"] == [], f"a port served the outsider a store: {report}"
 
-    flood_bounds: ClassVar[tuple[float, float, int]] = (3.0, 2.0, 64 << 20)
+    flood_bounds: ClassVar[tuple[float, float, int]] = (3.0, 4.0, 64 << 20)
     """What a flood of junk at every port may cost: a sync at most ``factor`` times its
-    calm time plus ``seconds``, each process at most ``bytes`` more resident memory."""
+    calm time plus ``seconds``, each process at most ``bytes`` more resident memory. The
+    4 s allow for another package's tests running beside these (``scripts/test-packages``
+    runs two at once), whose load differs between the calm syncs and the flooded ones: with
+    2 s, a flooded mooncake_sharded sync took 6.26 s against a bound of 5.74 s (1.25 s
+    calm) in one of three such runs."""
 
     def test_flood_of_junk_at_every_port_costs_bounded_memory_and_time(
         self, harness: SyncHarness
