@@ -19,7 +19,10 @@ its path. Run it as ``churner HOST PORT[,PORT...] MODE AMOUNT``:
 - ``watch S``: the same, at the given ports (``0``: none) and at every TCP port that starts
   listening on this host after the churner started (read from ``/proc/net/tcp`` every
   20 ms, as any local user can): a sync's rendezvous store and transport listeners are
-  churned from the moment they listen, without the attacker knowing their ports.
+  churned from the moment they listen, without the attacker knowing their ports. With
+  ``CHURN_PIDS`` (comma-separated process ids) in its environment, only the ports those
+  processes listen on (their sockets in ``/proc/PID/fd``): the processes under test, not
+  the other tests running on the host.
 
 It prints ``ready`` once it has started (``hold``: once every connection is open) and, when
 done or on SIGTERM, one JSON line: ``{"connections": ..., "refused": ..., "seconds": ...}``.
@@ -37,6 +40,7 @@ __all__ = ["build_churner"]
 
 _SOURCE = r"""
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -60,8 +64,37 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec / 1e9;
 }
 
-/* The IPv4 TCP ports listening on this host now (from /proc/net/tcp), up to `max`. */
-static int listening_ports(int *out, int max) {
+/* The socket inodes of the processes named in CHURN_PIDS (comma-separated), up to `max`;
+   -1 where CHURN_PIDS is unset or empty (every process). */
+static int pid_sockets(unsigned long *out, int max) {
+  const char *pids = getenv("CHURN_PIDS");
+  if (!pids || !*pids) return -1;
+  char *copy = strdup(pids), *saved = NULL;
+  int n = 0;
+  for (char *pid = strtok_r(copy, ",", &saved); pid; pid = strtok_r(NULL, ",", &saved)) {
+    char folder[64];
+    snprintf(folder, sizeof(folder), "/proc/%s/fd", pid);
+    DIR *dir = opendir(folder);
+    if (!dir) continue;
+    struct dirent *entry;
+    while (n < max && (entry = readdir(dir)) != NULL) {
+      char link[384], target[64];
+      snprintf(link, sizeof(link), "%s/%s", folder, entry->d_name);
+      ssize_t length = readlink(link, target, sizeof(target) - 1);
+      if (length <= 0) continue;
+      target[length] = 0;
+      unsigned long inode;
+      if (sscanf(target, "socket:[%lu]", &inode) == 1) out[n++] = inode;
+    }
+    closedir(dir);
+  }
+  free(copy);
+  return n;
+}
+
+/* The IPv4 TCP ports listening on this host now (from /proc/net/tcp), up to `max`; where
+   `ninodes` >= 0, only those of sockets among `inodes`. */
+static int listening_ports(int *out, int max, const unsigned long *inodes, int ninodes) {
   FILE *file = fopen("/proc/net/tcp", "r");
   if (!file) return 0;
   char line[512];
@@ -69,9 +102,13 @@ static int listening_ports(int *out, int max) {
   if (!fgets(line, sizeof(line), file)) { fclose(file); return 0; }
   while (n < max && fgets(line, sizeof(line), file)) {
     unsigned int ip, port, remote_ip, remote_port, state;
-    if (sscanf(line, " %*d: %8X:%4X %8X:%4X %2X", &ip, &port, &remote_ip, &remote_port,
-               &state) == 5 && state == 0x0A)
-      out[n++] = (int)port;
+    unsigned long inode;
+    if (sscanf(line, " %*d: %8X:%4X %8X:%4X %2X %*X:%*X %*X:%*X %*X %*u %*u %lu", &ip, &port,
+               &remote_ip, &remote_port, &state, &inode) != 6 || state != 0x0A)
+      continue;
+    int mine = ninodes < 0;
+    for (int i = 0; i < ninodes && !mine; i++) mine = inodes[i] == inode;
+    if (mine) out[n++] = (int)port;
   }
   fclose(file);
   return n;
@@ -182,14 +219,16 @@ int main(int argc, char **argv) {
     }
   } else if (strcmp(mode, "watch") == 0) {
     static int initial[65536], now_listening[65536];
-    int ninitial = listening_ports(initial, 65536);
+    static unsigned long inodes[65536];
+    int ninitial = listening_ports(initial, 65536, NULL, -1);
     printf("ready\n");
     fflush(stdout);
     double looked = 0;
     while (!stop && now() - start < amount) {
       if (now() - looked >= 0.02) {  /* the given ports, then every port new since start */
         looked = now();
-        int nnow = listening_ports(now_listening, 65536);
+        int ninodes = pid_sockets(inodes, 65536);
+        int nnow = listening_ports(now_listening, 65536, inodes, ninodes);
         nports = ngiven;
         for (int k = 0; k < nnow && nports < 64; k++) {
           int port = now_listening[k];

@@ -58,7 +58,8 @@ class ConnectionStormTests(_ConformanceBase):
         """:attr:`storm_connections` (a 25th in the default profile) opened and closed at
         every port the sync's processes listen on between syncs, 500 held at each through
         the next :attr:`storm_syncs` syncs while a low-priority churner opens and closes
-        more at those ports and at every port that starts listening during the syncs
+        more at those ports and at every port those processes start listening on during
+        the syncs
         (rendezvous stores, transport listeners, from the moment they listen): every sync
         bit-exact and within :attr:`storm_time_bound`, no process died, and none keeps more
         than :attr:`storm_bounds` once the storm is over."""
@@ -73,8 +74,11 @@ class ConnectionStormTests(_ConformanceBase):
                                  long=self.storm_connections)
         between = _run(churner, ports, "close", connections)
         held = _start([churner, "127.0.0.1", _joined(ports), "hold", str(self.storm_held)])
+        # the ports that start listening in the sync's processes only: another package's
+        # tests may run on this host (scripts/test-packages runs two at once)
+        pids = ",".join(str(pid) for pid in harness.engine_ports())
         churning = _start(["nice", "-n", "19", churner, "127.0.0.1", _joined(ports), "watch",
-                           "600"])
+                           "600"], env={**os.environ, "CHURN_PIDS": pids})
         try:
             for churner_process in (held, churning):
                 _await_ready(churner_process)
@@ -113,9 +117,10 @@ def _run(churner: str, ports: Sequence[int], mode: str, amount: int) -> dict[str
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _start(command: list[str]) -> subprocess.Popen[str]:
+def _start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A churner in a session of its own (its children with it: see :func:`_stop`)."""
-    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
 
 
 def _await_ready(process: subprocess.Popen[str]) -> None:
