@@ -6,7 +6,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from msgspec import Meta
@@ -114,6 +114,17 @@ class CheckpointEngineConfig:
             dtype). Backends whose engine says ``supports_delta``.
         full_verify_every: with ``delta``, make every Nth sync a full one (0: never);
             refused without ``delta``.
+        staging: how ``update_weights`` moves a version into the replicas. ``"auto"``: in
+            two phases where every rollout worker can stage (weightsync's own workers):
+            the update is moved and checked into a stage on each worker while every replica
+            keeps serving, and only then is each replica paused for the switch, which rolls
+            back to the version it served where it fails; a failure before the switch
+            leaves every replica serving, not paused. Elsewhere (a colocated backend,
+            workers that cannot stage, such as verl's own) as with ``"never"``:
+            stop-the-world, every replica paused from before the first byte until the
+            update is loaded. A stage costs each worker host memory for one more copy of
+            its share of the weights, the rollback copy another
+            (:mod:`weightsync_core.worker.staging`).
     """
 
     backend: Annotated[str, Meta(min_length=1, description="a non-empty string")] = "naive"
@@ -134,6 +145,7 @@ class CheckpointEngineConfig:
     full_verify_every: Annotated[int, Meta(
         ge=0, description="an integer >= 0 (every Nth delta-enabled sync is a full one; 0: "
         "never)")] = 0
+    staging: Literal["auto", "never"] = "auto"
 
     def __post_init__(self) -> None:
         from weightsync_core.api.plugins import trusted_module_prefixes
@@ -255,7 +267,8 @@ class CheckpointEngineConfig:
 
         Not compared: ``delta`` and ``full_verify_every`` (the manager alone decides each
         sync's delta plan and hands it to every process; a process never reads its own),
-        ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync),
+        ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync), ``staging``
+        (the manager alone decides each sync's phases),
         ``custom_backend_module`` (how the backend is found; the backend is compared) and
         every other engine option (see :data:`TRAVEL_OPTIONS`).
 

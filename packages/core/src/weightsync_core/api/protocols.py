@@ -95,7 +95,13 @@ class ServerAdapter(Protocol):
     keeps no copy of its own (:class:`~weightsync_core.data.delta.DeltaReceiver`), and
     ``update_weights`` receives the server's tensor itself, already patched: skip the copy
     where the received tensor shares the target's storage. Only for servers that load
-    tensors as they are (no fusing or re-layout on load)."""
+    tensors as they are (no fusing or re-layout on load).
+
+    Optional: ``check_staged_weight(name, tensor)`` (plain or async), called for each tensor
+    of a staged sync as it arrives, before the server loads any of it: raise to refuse a
+    tensor the server could not load (an unknown name, a shape that does not fit), so that
+    the refusal comes in phase 1, while the server serves its version untouched, not in the
+    commit."""
 
     async def update_weights(
         self,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync_core.api.protocols import RolloutReplica
+from weightsync_core.orchestration.replica_status import worker_status
 
 __all__ = ["ReplicaCommit", "commit_replica"]
 
@@ -33,14 +34,6 @@ class ReplicaCommit:
     failures: list[tuple[str, BaseException]] = field(default_factory=list)
     serving: bool = True
     paused_seconds: float = 0.0
-
-
-async def _status(worker: Any) -> dict[str, Any] | None:
-    """``worker``'s :meth:`weights_status` (None where it does not answer: it died)."""
-    try:
-        return await worker.weights_status.remote()
-    except Exception:
-        return None
 
 
 async def commit_replica(
@@ -68,7 +61,8 @@ async def commit_replica(
         await asyncio.gather(*(asyncio.wait_for(_awaited(worker.roll_back_commit.remote()),
                                                 timeout_seconds) for worker in took),
                              return_exceptions=True)
-        statuses = await asyncio.gather(*(_status(worker) for worker in workers))
+        statuses = await asyncio.gather(*(worker_status(worker, timeout_seconds)
+                                          for worker in workers))
         outcome.serving = all(status is not None and status.get("complete")
                               for status in statuses)
     if outcome.serving:

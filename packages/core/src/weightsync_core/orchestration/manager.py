@@ -34,6 +34,7 @@ from weightsync_core.orchestration.blame import (
 from weightsync_core.orchestration.commit import ReplicaCommit, commit_replica
 from weightsync_core.orchestration.delta_ledger import DeltaLedger
 from weightsync_core.orchestration.ray_group import RayWorkerGroup
+from weightsync_core.orchestration.replica_status import replica_status, worker_status
 from weightsync_core.orchestration.stages import Calls, SyncStages
 
 __all__ = ["CheckpointEngineManager", "awaitable_or_blocking", "run_sync"]
@@ -48,6 +49,9 @@ long a sync's closing stages may run past its deadline."""
 _CLEANUP_GRACE_SECONDS = 0.2
 """How long a failing sync waits for its clean-up calls before it raises."""
 _TRANSFER_STAGES = frozenset({"transfer", "finalize"})
+_STAGING_CALLS = ("stage_weights", "commit_staged", "roll_back_commit", "discard_staged",
+                  "weights_status")
+"""What a rollout worker must take for a sync to be staged (:meth:`stages_syncs`)."""
 
 
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -361,6 +365,14 @@ class CheckpointEngineManager:
         async code; called from synchronous code it runs the sync and returns the metrics
         (as verl's trainer calls ``checkpoint_manager.update_weights(global_steps)``).
 
+        Where :meth:`stages_syncs` (``config.staging="auto"`` and weightsync's own workers),
+        in two phases: :meth:`stage_weights` (every replica serving throughout; a failure
+        leaves every replica serving its version, not paused, not stale), then
+        :meth:`commit_weights` (each replica paused for its switch only; rolled back where
+        it fails). Else stop-the-world: every replica paused (requests aborted, KV cache
+        released) until the update is loaded; a failure after bytes moved leaves the
+        replicas it reached paused and listed in :attr:`stale_replicas`.
+
         A sync that delivers no tensors fails, and so does one whose tensor names, shapes or
         dtypes differ from what a replica loaded in its previous sync (it is refused before
         the changed tensor is loaded), unless ``allow_manifest_change`` says the model's
@@ -375,15 +387,36 @@ class CheckpointEngineManager:
         weights' size in the rollout dtype), ``changed_fraction`` (of the elements) and
         ``seconds/diff`` (the sender's diffing) and ``seconds/apply`` (the slowest
         worker's patching and checking), and ``actor_kept_bytes`` (the largest copy an
-        actor rank keeps for the next sync).
+        actor rank keeps for the next sync). ``staged`` is 1 for a sync in two phases, which
+        adds :meth:`commit_weights`' metrics (``seconds/total`` is both phases'), else 0.
         """
         return await self._update_weights(global_steps, allow_manifest_change)
 
     async def _update_weights(
         self, global_steps: int | None, allow_manifest_change: bool
     ) -> dict[str, float]:
-        self._staged = []  # the workers drop their stages: this sync brings a newer version
-        return await self._sync(list(self.replicas), global_steps, False, allow_manifest_change)
+        if not self.stages_syncs():
+            self._staged = []  # the workers drop their stages: this sync brings a newer one
+            metrics = await self._sync(list(self.replicas), global_steps, False,
+                                       allow_manifest_change)
+            return {**metrics, "weightsync/staged": 0.0}
+        metrics = await self._stage_weights(global_steps, allow_manifest_change)
+        commit = await self._commit_weights()
+        metrics.update(commit)
+        metrics["weightsync/seconds/total"] += commit["weightsync/seconds/commit"]
+        return {**metrics, "weightsync/staged": 1.0}
+
+    def stages_syncs(self) -> bool:
+        """Whether :meth:`update_weights` runs in two phases (:meth:`stage_weights`, then
+        :meth:`commit_weights`): ``config.staging`` is ``"auto"``, the backend moves bytes
+        (not colocated), and the rollout group and every worker of every replica take the
+        staging calls (weightsync's own workers do; verl's do not)."""
+        if self.config.staging == "never" or self.backend_cls.is_colocated or not self.replicas:
+            return False
+        if not hasattr(self._rollout_group_class(), "stage_weights"):
+            return False
+        return all(hasattr(worker, method) for replica in self.replicas
+                   for worker in replica.workers for method in _STAGING_CALLS)
 
     def stage_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
@@ -467,6 +500,33 @@ class CheckpointEngineManager:
                 "weightsync/pause_seconds": max(outcome.paused_seconds for outcome in outcomes
                                                 if isinstance(outcome, ReplicaCommit)),
                 "weightsync/replicas_committed": float(len(replicas))}
+
+    def weights_status_sync(self) -> dict[str, dict[str, Any]]:
+        """:meth:`weights_status` for synchronous callers."""
+        return run_sync(self._weights_status())
+
+    @awaitable_or_blocking
+    async def weights_status(self) -> dict[str, dict[str, Any]]:
+        """What each managed replica (by name) serves, has staged and could roll back to:
+        ``{"state", "version", "staged_version", "rollback_version", "workers"}``.
+        ``state`` is ``"stale"`` (listed in :attr:`stale_replicas`: paused with a mix of
+        versions), ``"mixed"`` (its workers report different versions, or one an incomplete
+        update, or one did not answer), ``"staged"`` (serving ``version``, with
+        ``staged_version`` staged on every worker) or ``"serving"``; the versions are its
+        workers' where they agree, else None; ``workers`` is each worker's own
+        :meth:`CheckpointEngineWorker.weights_status` (None where it did not answer within
+        ``sync_timeout_seconds``, or has no such call, as verl's workers)."""
+        return await self._weights_status()
+
+    async def _weights_status(self) -> dict[str, dict[str, Any]]:
+        timeout = self.config.sync_timeout_seconds
+        status: dict[str, dict[str, Any]] = {}
+        for index, replica in enumerate(self.replicas):
+            workers = await asyncio.gather(*(worker_status(worker, timeout)
+                                             for worker in replica.workers))
+            status[self._replica_name(replica, index)] = replica_status(
+                workers, stale=any(replica is known for known in self.stale_replicas))
+        return status
 
     def _commit_error(self, replicas: list[RolloutReplica],
                       outcomes: list[ReplicaCommit | BaseException]) -> SyncStageError:

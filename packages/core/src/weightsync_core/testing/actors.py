@@ -95,7 +95,10 @@ class RecordingServerAdapter:
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
     forever (simulating a crashed or hung inference server). ``refuse_after``: after that
     many tensors, raise once (a server that refuses one load, and takes the next).
-    ``delay_per_tensor``: seconds to spend on each tensor (a slow server). ``keep``: hold on
+    ``delay_per_tensor``: seconds to spend on each tensor (a slow server). These act where
+    the tensors arrive: in ``update_weights``, and, in a staged sync, in
+    :meth:`check_staged_weight` as they are staged (``refuse_after`` only in the load: the
+    commit). ``keep``: hold on
     to every received tensor, across updates, like a server that adopts the engine's tensors
     as its parameters; :meth:`changed_kept_tensors` tells which of them were overwritten
     since.
@@ -110,6 +113,8 @@ class RecordingServerAdapter:
         self.die_after: int | None = None
         self.stall_after: int | None = None
         self.refuse_after: int | None = None
+        self.staged_count = 0
+        """Tensors staged so far in the current stage."""
         self.delay_per_tensor = 0.0
         self.discard = False
         self.keep = False
@@ -121,20 +126,29 @@ class RecordingServerAdapter:
         """What this server needs of the weights (None: every tensor whole)."""
         return self.layout
 
+    async def _arrival_faults(self, count: int) -> None:
+        """Die, stall or go slow at the ``count``-th tensor of a sync, as set."""
+        if self.die_after is not None and count >= self.die_after:
+            os._exit(1)
+        if self.stall_after is not None and count >= self.stall_after:
+            await asyncio.sleep(3600)
+        if self.delay_per_tensor:
+            await asyncio.sleep(self.delay_per_tensor)
+
+    async def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """A staged tensor arrives: the faults of arrival act here (see the class)."""
+        await self._arrival_faults(self.staged_count)
+        self.staged_count += 1
+
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
         received: dict[str, TensorDigest | None] = {}
         async for name, tensor in weights:
-            if self.die_after is not None and len(received) >= self.die_after:
-                os._exit(1)
-            if self.stall_after is not None and len(received) >= self.stall_after:
-                await asyncio.sleep(3600)
             if self.refuse_after is not None and len(received) >= self.refuse_after:
                 self.refuse_after = None
                 raise ValueError(f"the server refused tensor {name!r}")
-            if self.delay_per_tensor:
-                await asyncio.sleep(self.delay_per_tensor)
+            await self._arrival_faults(len(received))
             received[name] = None if self.discard else digest(tensor)
             if self.convert:
                 convert_in_place(tensor)
@@ -198,6 +212,11 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         adapter.convert = convert
         if not keep:
             adapter.kept.clear()
+
+    async def stage_weights(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The worker's own, the server's count of staged tensors (for its faults) reset."""
+        self._recorder().staged_count = 0
+        return await super().stage_weights(*args, **kwargs)
 
     def set_layout(self, layout: LayoutSpec | None) -> None:
         """Make the server need only the boxes of ``layout`` (a tensor-parallel worker, say);

@@ -105,6 +105,7 @@ class DeltaSyncConformanceTests(_ConformanceBase):
         ray.get(victim.tamper_delta_baseline.remote("model.embed.weight"))
         updates.append((_SEED + 21, _SPARSE))
         harness.set_weights(seed=_SEED, updates=updates)
+        before = self.lifecycles(harness)
         with pytest.raises(SyncStageError, match=r"'model\.embed\.weight' rebuilt from its "
                            r"delta .* not the sender's") as info:
             manager.update_weights_sync(global_steps=121)
@@ -113,8 +114,9 @@ class DeltaSyncConformanceTests(_ConformanceBase):
         assert info.value.worker is not None and info.value.worker.startswith(
             f"rollout rank {rank} "), str(info.value)
         assert info.value.stage == "transfer"
+        # staged: every replica serves the last version, never paused; stop-the-world:
         # every replica was left paused and is reported stale; none serves the mix
-        assert [id(r) for r in manager.stale_replicas] == [id(r) for r in harness.replicas]
+        self.assert_failed_sync_left(harness, manager, harness.replicas, before)
         healed = self._sync(harness, manager, updates, 122)
         assert healed["weightsync/delta"] == 0.0  # a full copy for everyone
         assert manager.stale_replicas == []
@@ -127,12 +129,16 @@ class DeltaSyncConformanceTests(_ConformanceBase):
         self._sync(harness, manager, updates, 130)
         updates.append((_SEED + 31, _SPARSE))
         harness.set_weights(seed=_SEED, updates=updates, faults=Faults(raise_after=150))
+        before = self.lifecycles(harness)
         with pytest.raises(SyncStageError, match="injected failure"):
             manager.update_weights_sync(global_steps=131)
-        assert [id(r) for r in manager.stale_replicas] == [id(r) for r in harness.replicas]
+        self.assert_failed_sync_left(harness, manager, harness.replicas, before)
         statuses = ray.get([w.weights_status.remote()
                             for r in harness.replicas for w in r.workers])
-        assert all(not s["complete"] and s["delta_version"] is None for s in statuses), statuses
+        # no copy of a half-patched version is offered as a base; a stop-the-world sync
+        # left the servers incomplete, a staged one left them whole on version 130
+        assert all(s["delta_version"] is None for s in statuses), statuses
+        assert all(s["complete"] == manager.stages_syncs() for s in statuses), statuses
         healed = self._sync(harness, manager, updates, 132)
         assert healed["weightsync/delta"] == 0.0
         updates.append((_SEED + 32, _SPARSE))
@@ -177,17 +183,27 @@ class DeltaSyncConformanceTests(_ConformanceBase):
             ray.get(newcomer.workers[0].set_faults.remote(die_after=1))
             manager.add_replicas([newcomer])
             updates.append((_SEED + 51, _SPARSE))
+            served = harness.reports([first])
+            before = self.lifecycles(harness, [first])
             expected = harness.set_weights(seed=_SEED, updates=updates)
             with pytest.raises(SyncStageError, match=r"in the round of whole tensors to "
                                r"replica\(s\) \[1\] of this manager") as info:
                 manager.update_weights_sync(global_steps=151)
             assert info.value.stage == "transfer"
-            assert "the 1 other replica(s) were resumed" in str(info.value)
-            # the first replica got its patches in the round before, and serves them
-            assert [id(r) for r in manager.stale_replicas] == [id(newcomer)]
-            self.assert_delivered(harness, expected, [first])
-            for report in harness.reports([first]):
-                assert report["lifecycle"][-2:] == ["resume_kv_cache", "resume_generation"]
+            if manager.stages_syncs():
+                # the fleet commits together or not at all: the first replica's stage of
+                # patches was discarded, and it serves the version it had, never paused
+                self.assert_failed_sync_left(harness, manager, [first, newcomer], before,
+                                             [first])
+                assert [r["received"] for r in harness.reports([first])] == [
+                    r["received"] for r in served]
+            else:
+                assert "the 1 other replica(s) were resumed" in str(info.value)
+                # the first replica got its patches in the round before, and serves them
+                assert [id(r) for r in manager.stale_replicas] == [id(newcomer)]
+                self.assert_delivered(harness, expected, [first])
+                for report in harness.reports([first]):
+                    assert report["lifecycle"][-2:] == ["resume_kv_cache", "resume_generation"]
         finally:
             manager.remove_replicas([newcomer])
             for worker in newcomer.workers:

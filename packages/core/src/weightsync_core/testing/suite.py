@@ -237,6 +237,35 @@ class _ConformanceBase:
                 f"receiver {index}: missing={missing[:5]} extra={extra[:5]} differing={wrong[:5]}"
             )
 
+    @staticmethod
+    def lifecycles(harness: SyncHarness, replicas=None) -> list[list[str]]:
+        """Per receiving process: the pause and resume calls its server got so far (none
+        recorded where the actor ranks receive: a colocated engine)."""
+        return [list(report.get("lifecycle", ())) for report in harness.reports(replicas)]
+
+    @classmethod
+    def assert_failed_sync_left(cls, harness: SyncHarness, manager: CheckpointEngineManager,
+                                reached: Sequence[RayRolloutReplica],
+                                lifecycles: list[list[str]], replicas=None) -> None:
+        """After a sync that failed once bytes moved to ``reached``: where the manager
+        stages syncs, nothing was paused (``lifecycles`` as before the sync, of
+        ``replicas``' processes), no replica is stale, and every worker of ``replicas``
+        serves a whole version with nothing staged; in a stop-the-world sync, ``reached``
+        are listed stale (paused, not serving the mix)."""
+        if harness.colocated:
+            return
+        if not manager.stages_syncs():
+            assert [id(r) for r in manager.stale_replicas] == [id(r) for r in reached]
+            return
+        assert manager.stale_replicas == []
+        assert cls.lifecycles(harness, replicas) == lifecycles, (
+            "a failed staged sync paused a replica")
+        chosen = harness.replicas if replicas is None else replicas
+        statuses = ray.get([worker.weights_status.remote() for replica in chosen
+                            for worker in replica.workers])
+        assert all(status["complete"] and status["staged_version"] is None
+                   for status in statuses), statuses
+
     def test_every_dtype_and_shape_bit_exact(self, harness: SyncHarness) -> None:
         expected = harness.set_weights(seed=1)
         dtypes = {spec[1] for spec in expected.values()}
@@ -314,14 +343,17 @@ class _ConformanceBase:
     ) -> None:
         harness.set_weights(seed=5, faults=Faults(raise_after=150))
         manager = harness.manager(sync_timeout_seconds=self.failure_timeout_seconds)
+        before = self.lifecycles(harness)
         start = time.monotonic()
         with pytest.raises(SyncStageError, match="injected failure") as info:
             manager.update_weights_sync(global_steps=5)
         assert time.monotonic() - start < self.failure_timeout_seconds + 10
         assert info.value.stage == "transfer"
         assert "actor_wg rank 0" in str(info.value)
-        if not harness.colocated:  # bytes had moved: every replica is stale, none serves
-            assert [id(r) for r in manager.stale_replicas] == [id(r) for r in harness.replicas]
+        # bytes had moved: staged, every replica serves its version, never paused;
+        # stop-the-world, every replica is stale, none serves the mix
+        self.assert_failed_sync_left(harness, manager, harness.replicas, before)
+        if not (harness.colocated or manager.stages_syncs()):
             for report in harness.reports():
                 assert report["lifecycle"][-1] != "resume_generation", report["lifecycle"]
         self._recovers(harness)
@@ -437,10 +469,18 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         assert metrics["weightsync/tensors"] == len(expected)
         for stage in ("prepare", "init_process_group", "transfer", "finalize", "total"):
             assert metrics[f"weightsync/seconds/{stage}"] >= 0
+        manager = harness.manager()
+        if manager.stages_syncs():  # paused for the switch only, the KV cache kept
+            assert metrics["weightsync/staged"] == 1.0
+            assert 0 < metrics["weightsync/pause_seconds"] <= metrics[
+                "weightsync/seconds/commit"] <= metrics["weightsync/seconds/total"]
+            pause = ["abort_all_requests", "resume_generation"]
+        else:
+            assert metrics["weightsync/staged"] == 0.0
+            pause = ["abort_all_requests", "release_kv_cache", "resume_kv_cache",
+                     "resume_generation"]
         for report in harness.reports():
-            assert report["lifecycle"][-4:] == [
-                "abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"
-            ]
+            assert report["lifecycle"][-len(pause):] == pause, report["lifecycle"]
 
     def test_server_that_keeps_received_tensors_never_sees_them_overwritten(
         self, harness: SyncHarness
@@ -456,6 +496,35 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
             assert [r["changed_kept_tensors"] for r in harness.reports()] == [[]] * len(workers)
         finally:
             ray.get([worker.set_faults.remote() for worker in workers])
+
+    def test_server_refusing_its_switch_is_rolled_back_and_serves(
+        self, harness: SyncHarness
+    ) -> None:
+        """Phase 2 of a staged sync: the last worker's server refuses the staged version
+        part-way through loading it. Its replica is rolled back whole (every worker back on
+        the version it served, from the copy kept) and resumed, not stale; the other
+        replicas serve the new version; the next sync is exact everywhere."""
+        manager = harness.manager()
+        if not manager.stages_syncs():
+            pytest.skip("this deployment's workers do not stage syncs")
+        previous = harness.set_weights(seed=30)
+        manager.update_weights_sync(global_steps=30)
+        *others, refusing = harness.replicas
+        ray.get(refusing.workers[-1].set_faults.remote(refuse_after=2))
+        expected = harness.set_weights(seed=31)
+        with pytest.raises(SyncStageError, match=r"refused tensor.*rolled back to version 30"
+                           ) as info:
+            manager.update_weights_sync(global_steps=31)
+        assert info.value.stage == "commit", str(info.value)
+        assert manager.stale_replicas == []
+        self.assert_delivered(harness, expected, others)
+        self.assert_delivered(harness, previous, [refusing])
+        assert self.lifecycles(harness, [refusing])[-1][-2:] == [
+            "abort_all_requests", "resume_generation"], "the rolled back replica serves"
+        status = manager.weights_status_sync()
+        assert [entry["state"] for entry in status.values()] == ["serving"] * len(status)
+        assert [entry["version"] for entry in status.values()] == [31] * len(others) + [30]
+        self.timed_sync(harness, manager, 32)
 
     def test_replica_removed_and_another_added_between_syncs(
         self, harness: SyncHarness
@@ -537,13 +606,14 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         self.assert_delivered(harness, expected, [healthy])
 
     def test_stalled_receiver_is_blamed_within_the_timeout(self, harness: SyncHarness) -> None:
+        before = self.lifecycles(harness, harness.replicas[:1])
         manager, healthy, broken, error, elapsed = self._sync_with_a_broken_replica(
             harness, SyncTimeoutError, timeout=STALL_TIMEOUT, stall_after=5
         )
         assert f"{self._broken_worker(healthy)} stopped making progress" in str(error)
         assert self._broken_worker(healthy) in error.pending
         self._detected("stalled receiver", elapsed, STALL_TIMEOUT + 2, error)
-        assert manager.stale_replicas == [healthy, broken]
+        self.assert_failed_sync_left(harness, manager, [healthy, broken], before, [healthy])
         ray.kill(broken.workers[0])
         self._survivors_sync(harness, manager, healthy, broken)
 

@@ -148,7 +148,7 @@ class CheckpointEngineWorker:
         arrives as that version; with ``delta_base``, what arrives are patches against the
         version of that token, which this worker must hold
         (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
-        self.discard_staged()  # this version is newer than any stage
+        self.staged = None  # this version is newer than any stage
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
@@ -184,12 +184,15 @@ class CheckpointEngineWorker:
         :meth:`update_weights`; a delta sync patches a private copy of the last version,
         never the server's own tensors.
 
+        Each tensor is also offered to the server adapter's optional
+        ``check_staged_weight`` (:class:`~weightsync_core.api.protocols.ServerAdapter`).
+
         Raises:
             WeightSyncError: what :meth:`update_weights` raises before loading; the server
                 serves its version and nothing is staged.
         """
-        self.discard_staged()
-        self.replaced_copy = None
+        self.staged = None  # this version is newer; the delta copy, if any, still holds its
+        self.replaced_copy = None  # version, verified: the sender may patch against it
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
@@ -200,7 +203,8 @@ class CheckpointEngineWorker:
         self.manifest_guard.start(allow_change=allow_manifest_change)
         start = time.perf_counter()
         staged = await stage_weights(weights, global_steps, self.manifest_guard,
-                                     engine.progress)
+                                     engine.progress,
+                                     getattr(self.server_adapter, "check_staged_weight", None))
         self.staged = staged
         stats: dict[str, float] = {"num_tensors": len(staged), "nbytes": staged.nbytes,
                                    "seconds": time.perf_counter() - start}
@@ -275,7 +279,9 @@ class CheckpointEngineWorker:
 
     def discard_staged(self) -> None:
         """Drop the staged update, if any (the server never saw it). The delta copy is
-        dropped with it (it holds the staged version): the next sync is a full one."""
+        dropped with it (it holds the staged version, which the caller gives up): the next
+        sync is a full one. (A stage a newer sync replaces keeps it: that sync's patches
+        may be against the staged version, which the copy holds, verified.)"""
         if self.staged is not None:
             self.staged = None
             self.delta_receiver.forget()

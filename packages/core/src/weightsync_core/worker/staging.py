@@ -14,8 +14,10 @@ delta-enabled sync keeps its own copy of the last version besides
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,12 +65,15 @@ class StagedWeights:
 async def stage_weights(
     weights: AsyncIterator[tuple[str, torch.Tensor]], version: int | None,
     guard: ManifestGuard, progress: SyncProgress,
+    check: Callable[[str, torch.Tensor], Any] | None = None,
 ) -> StagedWeights:
     """Receive the whole of ``weights`` into a :class:`StagedWeights`, each tensor checked
     against the previous sync's manifest as it arrives (``guard``: a changed tensor, a
     missing one or an empty stream is refused); the tensors must be the caller's to keep
     (what weightsync's engines and :class:`~weightsync_core.data.delta.DeltaReceiver` yield
     are). The guard's reference moves only once the stage is applied (``guard.accept()``).
+    ``check(name, tensor)`` (plain or async; the server adapter's optional
+    ``check_staged_weight``) may refuse a tensor by raising.
     """
     staged = StagedWeights(version)
     progress.tensors = 0
@@ -76,8 +81,14 @@ async def stage_weights(
         progress.enter("receiving")
         async for name, tensor in weights:
             guard.check(name, tensor)
+            if check is not None:
+                progress.enter("loading")  # the server holds the tensor
+                checked = check(name, tensor)
+                if inspect.isawaitable(checked):
+                    await checked
             staged.tensors.append((name, tensor))
             progress.tensors += 1
+            progress.enter("receiving")
         guard.finish()
     finally:
         progress.enter("idle")
