@@ -57,8 +57,15 @@ def test_gloo_replicas_hold_exactly_the_actor_weights(gloo_run):
     assert checksums["rollout"] == [checksums["actor"]] * 2
     # the start-up sync was full; every step's sync sent patches against the replicas' copy
     assert [row["weightsync/delta"] for row in rows] == [1.0] * len(rows)
-    # the replicas' parameters were patched in place: their workers keep no copy of them
-    assert [status["delta_kept_bytes"] for status in checksums["statuses"]] == [0, 0]
+    # every sync was staged: the replicas generated on their version while the patches were
+    # applied to a private copy (one copy of the model per worker, never the served
+    # parameters), then swapped the staged tensors in; the ones they served are kept until
+    # the next stage, to roll back to
+    assert all(row["weightsync/staged"] == 1.0 for row in rows)
+    model_bytes = rows[-1]["weightsync/model_bytes"]
+    for status in checksums["statuses"]:
+        assert status["delta_kept_bytes"] == model_bytes, status
+        assert status["staged_bytes"] == 0 and status["rollback_version"] is None, status
     # each of the 2 actor ranks keeps its half of the last version, none the whole model
     for row in rows:
         assert 0 < row["weightsync/actor_kept_bytes"] <= row["weightsync/model_bytes"] / 2 + 64

@@ -125,6 +125,12 @@ class CheckpointEngineConfig:
             update is loaded. A stage costs each worker host memory for one more copy of
             its share of the weights, the rollback copy another
             (:mod:`weightsync_core.worker.staging`).
+        pause_mode: how a staged sync's switch pauses each replica's server, where it takes
+            ``pause_generation(mode)``: ``"keep"`` (requests in flight freeze between two
+            tokens and continue on the new weights, their KV cache kept: a response may
+            span two versions, which the server reports), ``"drain"`` (they finish on the
+            old weights first; new requests wait) or ``"abort"`` (they end at once). A server
+            without ``pause_generation`` is paused with ``abort_all_requests``.
     """
 
     backend: Annotated[str, Meta(min_length=1, description="a non-empty string")] = "naive"
@@ -146,6 +152,7 @@ class CheckpointEngineConfig:
         ge=0, description="an integer >= 0 (every Nth delta-enabled sync is a full one; 0: "
         "never)")] = 0
     staging: Literal["auto", "never"] = "auto"
+    pause_mode: Literal["keep", "drain", "abort"] = "keep"
 
     def __post_init__(self) -> None:
         from weightsync_core.api.plugins import trusted_module_prefixes
@@ -268,7 +275,7 @@ class CheckpointEngineConfig:
         Not compared: ``delta`` and ``full_verify_every`` (the manager alone decides each
         sync's delta plan and hands it to every process; a process never reads its own),
         ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync), ``staging``
-        (the manager alone decides each sync's phases),
+        and ``pause_mode`` (the manager alone decides each sync's phases and pauses),
         ``custom_backend_module`` (how the backend is found; the backend is compared) and
         every other engine option (see :data:`TRAVEL_OPTIONS`).
 

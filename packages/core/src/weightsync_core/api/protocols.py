@@ -101,7 +101,16 @@ class ServerAdapter(Protocol):
     of a staged sync as it arrives, before the server loads any of it: raise to refuse a
     tensor the server could not load (an unknown name, a shape that does not fit), so that
     the refusal comes in phase 1, while the server serves its version untouched, not in the
-    commit."""
+    commit.
+
+    Optional: ``swap_weights(tensors, version) -> dict[str, torch.Tensor]``: adopt the
+    staged ``tensors`` (by name; the stage's own, which no one else writes) as the weights it
+    serves, all or nothing, and return the tensors it served before (a staged commit then
+    copies nothing, and rolling it back swaps those in again).
+
+    Optional: ``pause_generation(mode)`` (``"keep"``, ``"drain"``, ``"abort"``; see
+    :attr:`~weightsync_core.api.config.CheckpointEngineConfig.pause_mode`), the pause of a
+    staged commit; without it, ``abort_all_requests()`` pauses the server."""
 
     async def update_weights(
         self,

@@ -459,7 +459,8 @@ class CheckpointEngineManager:
     @awaitable_or_blocking
     async def commit_weights(self) -> dict[str, float]:
         """Phase 2 of a staged sync: on every replica of the last :meth:`stage_weights` at
-        once, pause it (``abort_all_requests``), hand each worker's stage to its server
+        once, pause it (``pause_generation(config.pause_mode)``, or ``abort_all_requests``
+        where it has none), hand each worker's stage to its server
         (:meth:`CheckpointEngineWorker.commit_staged`), resume it (``resume_generation``):
         a replica is paused for its own switch only. Where a server fails to take its stage,
         its worker rolls it back to the version it served and the replica is resumed on that
@@ -488,7 +489,7 @@ class CheckpointEngineManager:
         timeout = self.config.sync_timeout_seconds
         outcomes = await asyncio.gather(*(
             commit_replica(replica, self._worker_names(replica), timeout,
-                           lambda r: r.abort_all_requests(), lambda r: r.resume_generation())
+                           self._pause_for_switch, lambda r: r.resume_generation())
             for replica in replicas), return_exceptions=True)
         whole = [outcome.replica for outcome in outcomes
                  if isinstance(outcome, ReplicaCommit) and not outcome.failures]
@@ -527,6 +528,15 @@ class CheckpointEngineManager:
             status[self._replica_name(replica, index)] = replica_status(
                 workers, stale=any(replica is known for known in self.stale_replicas))
         return status
+
+    async def _pause_for_switch(self, replica: RolloutReplica) -> None:
+        """Pause ``replica`` for a commit: its ``pause_generation(config.pause_mode)``, or,
+        for a replica without one, ``abort_all_requests()``."""
+        pause = getattr(replica, "pause_generation", None)
+        if pause is None:
+            await replica.abort_all_requests()
+        else:
+            await pause(mode=self.config.pause_mode)
 
     def _commit_error(self, replicas: list[RolloutReplica],
                       outcomes: list[ReplicaCommit | BaseException]) -> SyncStageError:

@@ -88,11 +88,18 @@ class RayRolloutReplica:
     def workers(self) -> list[Any]:
         return self._workers
 
-    async def _call_all(self, method: str) -> None:
-        await asyncio.gather(*(getattr(worker, method).remote() for worker in self._workers))
+    async def _call_all(self, method: str, **options: Any) -> None:
+        await asyncio.gather(*(getattr(worker, method).remote(**options)
+                               for worker in self._workers))
 
     async def abort_all_requests(self) -> None:
         await self._call_all("abort_all_requests")
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """Pause every worker's server for a switch of weights (``mode``: see
+        :meth:`CheckpointEngineWorker.pause_generation
+        <weightsync_core.worker.rollout.CheckpointEngineWorker.pause_generation>`)."""
+        await self._call_all("pause_generation", mode=mode)
 
     async def release_kv_cache(self) -> None:
         await self._call_all("release_kv_cache")

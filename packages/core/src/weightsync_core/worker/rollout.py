@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -57,7 +57,10 @@ class CheckpointEngineWorker:
     is paused for all of it), or in two phases: :meth:`stage_weights` receives and checks it
     whole while the server serves its version, :meth:`commit_staged` hands it over (the
     server paused for that step only) and rolls back to the version it served where that
-    fails (:mod:`weightsync_core.worker.staging` says what each keeps).
+    fails (:mod:`weightsync_core.worker.staging` says what each keeps). A server adapter
+    with ``swap_weights(tensors, version) -> previous tensors`` (all or nothing) commits by
+    adopting the staged tensors as its weights, with no copy; its old tensors are the copy
+    to roll back to.
 
     Attributes:
         weights_version: ``global_steps`` of the last complete update (``None`` before one).
@@ -229,6 +232,9 @@ class CheckpointEngineWorker:
                 "this rollout worker has no staged weights to commit: stage_weights must "
                 "succeed first (a failed or discarded stage leaves none)")
         self.staged = None
+        swap = getattr(self.server_adapter, "swap_weights", None)
+        if swap is not None:
+            return self._swap_in(staged, swap)
         previous = self.rollback_copy
         try:
             stats = await self._load(staged.handed_over(), staged.version, True)
@@ -245,6 +251,35 @@ class CheckpointEngineWorker:
         self.rollback_copy, self.replaced_copy = staged, previous
         return stats
 
+    def _swap_in(self, staged: StagedWeights,
+                 swap: Callable[[dict[str, torch.Tensor], int | None], dict[str, torch.Tensor]],
+                 ) -> dict[str, float]:
+        """Commit ``staged`` by the server adopting its tensors as its weights (its
+        adapter's ``swap_weights``: all or nothing); the tensors it served become the copy
+        to roll the commit back to, at no cost in memory."""
+        start = time.perf_counter()
+        try:
+            served = swap(dict(staged.tensors), staged.version)
+        except Exception as error:
+            self.delta_receiver.forget()  # it holds the version the server refused
+            raise WeightSyncError(
+                f"the server failed to take staged version {staged.version}: {error}; it "
+                f"kept version {self.weights_version}, which it serves") from error
+        self.replaced_copy = StagedWeights(self.weights_version, list(served.items()))
+        self.rollback_copy = None  # a swap is all or nothing: there is nothing to repair
+        self._accept_manifest(staged)
+        self.weights_version = staged.version
+        return {"num_tensors": float(len(staged)), "nbytes": float(staged.nbytes),
+                "seconds": time.perf_counter() - start}
+
+    def _accept_manifest(self, staged: StagedWeights) -> None:
+        """Make ``staged``'s names, shapes and dtypes the reference the next sync is checked
+        against (it was checked against the last one when it was staged)."""
+        self.manifest_guard.start(allow_change=True)
+        for name, tensor in staged:
+            self.manifest_guard.check(name, tensor)
+        self.manifest_guard.accept()
+
     async def roll_back_commit(self) -> None:
         """Undo this worker's last commit, which its server took (another worker of its
         replica failed to take its stage: a replica must not serve two versions): load the
@@ -258,6 +293,13 @@ class CheckpointEngineWorker:
         if previous is None:
             raise WeightSyncError("this rollout worker has no copy of the version before its "
                                   "last commit to roll back to")
+        swap = getattr(self.server_adapter, "swap_weights", None)
+        if swap is not None:  # the server adopts its old tensors again
+            self.delta_receiver.forget()
+            swap(dict(previous.tensors), previous.version)
+            self._accept_manifest(previous)
+            self.weights_version = previous.version
+            return
         if not await self._roll_back(previous):
             raise WeightSyncError(f"rolling back to version {previous.version} failed: the "
                                   "server holds a mix of versions and refuses to serve")
@@ -335,6 +377,20 @@ class CheckpointEngineWorker:
     async def abort_all_requests(self) -> None:
         """Forward to the server adapter, if it implements it."""
         await self._adapter_call("abort_all_requests")
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """Pause the server for the switch of a staged sync: ``keep`` (requests in flight
+        freeze where they are and continue on the new weights once resumed, their KV cache
+        kept), ``drain`` (they finish first; new ones wait) or ``abort`` (they end now).
+        Forwarded to the adapter's ``pause_generation(mode)``; an adapter without one is
+        paused with its ``abort_all_requests``."""
+        pause = getattr(self.server_adapter, "pause_generation", None)
+        if pause is None:
+            await self._adapter_call("abort_all_requests")
+            return
+        result = pause(mode=mode)
+        if inspect.isawaitable(result):
+            await result
 
     async def release_kv_cache(self) -> None:
         """Forward to the server adapter, if it implements it."""

@@ -8,7 +8,10 @@ receives slices): a stage holds M from the end of phase 1 until it is committed 
 discarded; the copy of the version the server serves (to roll back to) M from the first
 commit on; the copy of the version the last commit replaced (to roll a replica back when
 another of its workers failed) M until the next stage begins: a worker holds 2M at most. A
-delta-enabled sync keeps its own copy of the last version besides
+server that swaps the stage in (its adapter's ``swap_weights``: the trainer's Hugging Face
+replicas) serves the stage's own tensors, and its old ones are the copy to roll back to:
+M beyond the server's own from the end of phase 1 until the next stage begins, and the
+commit copies nothing. A delta-enabled sync keeps its own copy of the last version besides
 (:class:`~weightsync_core.data.delta.DeltaReceiver`).
 """
 

@@ -1,28 +1,58 @@
-"""The inference server inside a rollout process: Hugging Face ``generate`` with a KV cache."""
+"""The inference server inside a rollout process: Hugging Face ``generate`` with a KV cache,
+on a thread of its own, so that a staged sync streams in while it generates."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.modeling import build_policy_model
+from weightsync_trainer.workers.pausing import GenerationAborted, GenerationGate, PauseMode
 
-__all__ = ["HFGenerationServer"]
+__all__ = ["GenerationAborted", "HFGenerationServer"]
+
+
+class _AtEveryToken(StoppingCriteria):
+    """Runs after every generated token: notes when it came and the weights version it was
+    sampled with, and parks or ends the generation as the server's gate says."""
+
+    def __init__(self, server: HFGenerationServer) -> None:
+        self.server = server
+        self.token_times: list[float] = []
+        self.versions: list[int | None] = []
+        self.aborted = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
+                 **kwargs: Any) -> torch.BoolTensor:
+        self.token_times.append(time.monotonic())
+        self.versions.append(self.server.weights_version)
+        stop = self.server.gate.at_token()
+        self.aborted = self.aborted or stop
+        done = torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
+        return done  # pyright: ignore[reportReturnType]
 
 
 class HFGenerationServer:
     """Samples responses with ``model.generate(use_cache=True)`` and loads new weights.
 
     It is the :class:`~weightsync_core.ServerAdapter` of a rollout worker (or, colocated, of an
-    actor rank). Generation runs to completion inside one call, so ``abort_all_requests``
-    pauses the server: requests arriving during a weight sync wait until
-    ``resume_generation``. ``generate`` allocates its KV cache per call, so there is no cache
-    to release between requests.
+    actor rank). Requests run one at a time on a thread of their own, so the worker's event
+    loop keeps receiving a staged sync while they generate. A pause
+    (:meth:`pause_generation`: ``keep`` parks requests in flight between two tokens, their KV
+    cache kept, to continue on the new weights; ``drain`` lets them finish; ``abort`` ends
+    them) holds new requests until :meth:`resume_generation`; ``abort_all_requests`` (a
+    stop-the-world sync) drains. A staged commit swaps the staged tensors in as the
+    parameters (:meth:`swap_weights`: no copy; the old ones are the rollback copy).
+    ``generate`` allocates its KV cache per call, so there is no cache to release between
+    requests.
 
     Args:
         model: the model to build.
@@ -44,29 +74,88 @@ class HFGenerationServer:
         self.model = policy
         self.temperature = temperature
         self.weights_version: int | None = None
-        self._serving = asyncio.Event()
-        self._serving.set()
+        self.gate = GenerationGate()
+        """Where generations park or end during a pause."""
+        self._generating = ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
 
     async def generate(
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
     ) -> torch.Tensor:
         """Sample one response of exactly ``response_length`` tokens per prompt row."""
-        await self._serving.wait()
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            # transformers types generate()'s self as a protocol its own models do not match
-            output = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
-                prompt_ids,
-                attention_mask=torch.ones_like(prompt_ids),
-                do_sample=True,
-                temperature=self.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=response_length,
-                use_cache=True,
-                pad_token_id=0,
-            )
-        return output[:, prompt_ids.shape[1] :]
+        return (await self.generate_sample(prompt_ids, response_length, seed))["tokens"]
+
+    async def generate_sample(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> dict[str, Any]:
+        """Sample one response of exactly ``response_length`` tokens per prompt row, with
+        what produced it: ``{"tokens", "versions" (the weights version each token was
+        sampled with: a ``keep`` pause may switch it mid-response), "token_times"
+        (``time.monotonic()`` as each token came)}``.
+
+        Raises:
+            GenerationAborted: an ``abort`` pause ended it; send it again.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._generating, self._sample, prompt_ids,
+                                          response_length, seed)
+
+    def _sample(self, prompt_ids: torch.Tensor, response_length: int, seed: int
+                ) -> dict[str, Any]:
+        """:meth:`generate_sample` on the generation thread."""
+        self.gate.enter()
+        try:
+            watch = _AtEveryToken(self)
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                # transformers types generate()'s self as a protocol its models do not match
+                output = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
+                    prompt_ids,
+                    attention_mask=torch.ones_like(prompt_ids),
+                    do_sample=True,
+                    temperature=self.temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=response_length,
+                    use_cache=True,
+                    pad_token_id=0,
+                    stopping_criteria=StoppingCriteriaList([watch]),
+                )
+        finally:
+            self.gate.leave()
+        if watch.aborted:
+            raise GenerationAborted(
+                f"the request was aborted after {len(watch.token_times)} of "
+                f"{response_length} tokens by a pause for new weights; send it again")
+        return {"tokens": output[:, prompt_ids.shape[1]:], "versions": watch.versions,
+                "token_times": watch.token_times}
+
+    def _target(self, name: str, tensor: torch.Tensor,
+                params: Mapping[str, torch.nn.Parameter]) -> torch.nn.Parameter:
+        """The parameter ``name`` loads into.
+
+        Raises:
+            KeyError: the model has no such parameter.
+            ValueError: ``tensor`` has another shape.
+        """
+        target = params.get(name)
+        if target is None:
+            raise KeyError(f"received weight {name!r}, which the rollout model lacks")
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight {name!r}: received shape {tuple(tensor.shape)}, the "
+                             f"rollout model has {tuple(target.shape)}")
+        return target
+
+    @staticmethod
+    def _check_whole(names: set[str], params: Mapping[str, Any], version: int | None) -> None:
+        missing = set(params) - names
+        if missing:
+            raise ValueError(f"weight update {version} lacked {len(missing)} parameters, e.g. "
+                             f"{sorted(missing)[:3]}")
+
+    def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, while it is staged, a tensor this model could not load (see
+        :meth:`_target`)."""
+        self._target(name, tensor, dict(self.model.named_parameters()))
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
@@ -74,26 +163,33 @@ class HFGenerationServer:
         """Copy every received tensor into the parameter of that name (unless it is that
         parameter, patched in place by a delta sync); all must arrive."""
         params = dict(self.model.named_parameters())
-        missing = set(params)
+        seen: set[str] = set()
         with torch.no_grad():
             async for name, tensor in weights:
-                target = params.get(name)
-                if target is None:
-                    raise KeyError(f"received weight {name!r}, which the rollout model lacks")
-                if target.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name!r}: received shape {tuple(tensor.shape)}, the rollout "
-                        f"model has {tuple(target.shape)}"
-                    )
+                target = self._target(name, tensor, params)
                 if tensor.data_ptr() != target.data_ptr():
                     target.copy_(tensor)
-                missing.discard(name)
-        if missing:
-            raise ValueError(
-                f"weight update {global_steps} lacked {len(missing)} parameters, e.g. "
-                f"{sorted(missing)[:3]}"
-            )
+                seen.add(name)
+        self._check_whole(seen, params, global_steps)
         self.weights_version = global_steps
+
+    def swap_weights(self, tensors: dict[str, torch.Tensor], version: int | None
+                     ) -> dict[str, torch.Tensor]:
+        """Adopt ``tensors`` (a staged version, every parameter by name) as the parameters'
+        data, all or nothing (every one is checked first), under a pause; return the
+        tensors they held (the version served until now)."""
+        params = dict(self.model.named_parameters())
+        adopted = {}
+        for name, tensor in tensors.items():
+            target = self._target(name, tensor, params)
+            adopted[name] = tensor.to(device=target.device, dtype=target.dtype).contiguous()
+        self._check_whole(set(adopted), params, version)
+        served = {}
+        for name, tensor in adopted.items():
+            served[name] = params[name].data
+            params[name].data = tensor
+        self.weights_version = version
+        return served
 
     def patchable_weights(self) -> dict[str, torch.Tensor]:
         """The parameters by name, which delta syncs patch in place (where they arrive in
@@ -101,12 +197,17 @@ class HFGenerationServer:
         return {name: param.detach() for name, param in self.model.named_parameters()}
 
     async def abort_all_requests(self) -> None:
-        """Pause: new requests wait until :meth:`resume_generation`."""
-        self._serving.clear()
+        """Pause for a stop-the-world sync: requests in flight finish, new ones wait until
+        :meth:`resume_generation`."""
+        await self.gate.pause("drain")
+
+    async def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """Pause for a staged commit (see :class:`~.pausing.GenerationGate`)."""
+        await self.gate.pause(mode)
 
     async def resume_generation(self) -> None:
         """Serve again (with the new weights)."""
-        self._serving.set()
+        self.gate.resume()
 
     def weights_checksum(self) -> str:
         """Digest of the served weights (compare with the actor's)."""

@@ -6,7 +6,7 @@ not split: the replica's first worker generates once its model is whole."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +79,49 @@ class TensorParallelGenerationServer(HFGenerationServer):
         """This worker's tensor-parallel slices."""
         return self.layout_spec
 
+    def _own_slice(self, name: str, tensor: torch.Tensor,
+                   params: Mapping[str, torch.nn.Parameter]) -> torch.Tensor:
+        """This worker's slice of ``tensor`` (a piece of its box's shape, or a whole tensor
+        it cuts its box from).
+
+        Raises:
+            KeyError: the model has no such parameter.
+            ValueError: ``tensor`` is neither the box's shape nor the whole's.
+        """
+        target, box = params.get(name), self.layout.boxes.get(name)
+        if target is None or box is None:
+            raise KeyError(f"received weight {name!r}, which the rollout model lacks")
+        if tuple(tensor.shape) == tuple(target.shape):
+            return box.cut(tensor)
+        if tuple(tensor.shape) != box.shape:
+            raise ValueError(
+                f"weight {name!r}: received shape {tuple(tensor.shape)}; tensor-parallel rank "
+                f"{self.tp_rank} needs its slice {box} (shape {box.shape}) or the whole "
+                f"{tuple(target.shape)}")
+        return tensor
+
+    def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, while it is staged, a tensor that is not this worker's slice nor whole."""
+        self._own_slice(name, tensor, dict(self.model.named_parameters()))
+
+    def swap_weights(self, tensors: dict[str, torch.Tensor], version: int | None
+                     ) -> dict[str, torch.Tensor]:
+        """Write this worker's slice of every staged tensor into its model, all or nothing
+        (every one checked first): its slices live inside the whole parameters its peers'
+        fill, so it copies its boxes rather than adopting tensors; returns copies of the
+        slices it held."""
+        params = dict(self.model.named_parameters())
+        pieces = {name: self._own_slice(name, tensor, params) for name, tensor in tensors.items()}
+        self._check_whole(set(pieces), params, version)
+        served = {name: self.layout.boxes[name].cut(params[name].detach()).clone()
+                  for name in pieces}
+        with torch.no_grad():
+            for name, piece in pieces.items():
+                self.layout.boxes[name].cut(params[name].detach()).copy_(piece)
+        self._whole_version = None
+        self.weights_version = version
+        return served
+
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
@@ -88,17 +131,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
         async def own_slices() -> AsyncIterator[tuple[str, torch.Tensor]]:
             async for name, tensor in weights:
-                target, box = params.get(name), self.layout.boxes.get(name)
-                if target is None or box is None:
-                    raise KeyError(f"received weight {name!r}, which the rollout model lacks")
-                if tuple(tensor.shape) == tuple(target.shape):
-                    tensor = box.cut(tensor)
-                elif tuple(tensor.shape) != box.shape:
-                    raise ValueError(
-                        f"weight {name!r}: received shape {tuple(tensor.shape)}; tensor-"
-                        f"parallel rank {self.tp_rank} needs its slice {box} (shape "
-                        f"{box.shape}) or the whole {tuple(target.shape)}")
-                yield name, tensor
+                yield name, self._own_slice(name, tensor, params)
 
         self._whole_version = None
         with torch.no_grad():
@@ -135,12 +168,19 @@ class TensorParallelGenerationServer(HFGenerationServer):
                         params[name][tuple(slice(a, b) for a, b in ranges)].copy_(piece)
             self._whole_version = self.weights_version
 
-    async def generate(
+    async def generate_sample(
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
-    ) -> torch.Tensor:
+    ) -> dict[str, Any]:
         """Sample with the whole model, assembled from the peers' slices first."""
         await self.make_whole()
-        return await super().generate(prompt_ids, response_length, seed)
+        return await super().generate_sample(prompt_ids, response_length, seed)
+
+    async def resume_generation(self) -> None:
+        """Make the model whole from the peers' slices (every worker of the replica took the
+        new version before it is resumed), then let parked generations continue on it."""
+        if self.peers:
+            await self.make_whole()
+        await super().resume_generation()
 
 
 async def _placed(slices: AsyncIterator[tuple[str, torch.Tensor]],
