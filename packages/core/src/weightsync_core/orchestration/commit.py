@@ -40,14 +40,22 @@ async def commit_replica(
     replica: RolloutReplica, worker_names: Sequence[str], timeout_seconds: float,
     pause: Callable[[RolloutReplica], Awaitable[None]],
     resume: Callable[[RolloutReplica], Awaitable[None]],
+    switch_mode: str | None = None,
 ) -> ReplicaCommit:
     """Pause ``replica`` (``pause``), commit every worker's stage (``commit_staged``, at
     once, within ``timeout_seconds``), and resume it (``resume``) unless a worker is left
     holding a mix of versions (it reports ``complete`` False, or does not answer). A worker
     that fails rolls its own server back (:meth:`CheckpointEngineWorker.commit_staged`), and
-    the replica's workers that took theirs roll back too (``roll_back_commit``)."""
+    the replica's workers that took theirs roll back too (``roll_back_commit``). A replica
+    of one worker, given ``switch_mode``, does all three in one call to it
+    (``switch_to_staged(switch_mode)``: its pause covers only its own work, no round trip
+    to the manager)."""
     outcome = ReplicaCommit(replica)
     workers = list(replica.workers)
+    if switch_mode is not None and len(workers) == 1 and hasattr(workers[0],
+                                                                  "switch_to_staged"):
+        return await _switch_alone(outcome, workers[0], worker_names[0], timeout_seconds,
+                                   switch_mode)
     start = time.monotonic()
     await asyncio.wait_for(pause(replica), timeout_seconds)
     calls = [asyncio.wait_for(_awaited(worker.commit_staged.remote()), timeout_seconds)
@@ -73,3 +81,17 @@ async def commit_replica(
 
 async def _awaited(call: Awaitable[Any]) -> Any:
     return await call
+
+
+async def _switch_alone(outcome: ReplicaCommit, worker: Any, name: str, timeout_seconds: float,
+                        mode: str) -> ReplicaCommit:
+    """:func:`commit_replica` of a replica of one worker: one ``switch_to_staged`` call."""
+    try:
+        result = await asyncio.wait_for(_awaited(worker.switch_to_staged.remote(mode)),
+                                        timeout_seconds)
+        outcome.paused_seconds = float(result["paused_seconds"])
+    except Exception as error:
+        outcome.failures = [(name, error)]
+        status = await worker_status(worker, timeout_seconds)
+        outcome.serving = status is not None and bool(status.get("complete"))
+    return outcome

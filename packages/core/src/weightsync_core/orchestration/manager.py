@@ -489,7 +489,8 @@ class CheckpointEngineManager:
         timeout = self.config.sync_timeout_seconds
         outcomes = await asyncio.gather(*(
             commit_replica(replica, self._worker_names(replica), timeout,
-                           self._pause_for_switch, lambda r: r.resume_generation())
+                           self._pause_for_switch, lambda r: r.resume_generation(),
+                           self.config.pause_mode)
             for replica in replicas), return_exceptions=True)
         whole = [outcome.replica for outcome in outcomes
                  if isinstance(outcome, ReplicaCommit) and not outcome.failures]

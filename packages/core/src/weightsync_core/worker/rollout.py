@@ -251,6 +251,26 @@ class CheckpointEngineWorker:
         self.rollback_copy, self.replaced_copy = staged, previous
         return stats
 
+    async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
+        """Phase 2 for a replica of this one worker, in one call: pause the server
+        (:meth:`pause_generation`), commit the stage (:meth:`commit_staged`: rolled back
+        where the server fails to take it), and resume it unless it holds a mix of
+        versions; the pause covers only this process's own work. Returns the commit's stats
+        and ``paused_seconds``.
+
+        Raises:
+            WeightSyncError: what :meth:`commit_staged` raises (the server resumed on the
+                version it served where it was rolled back).
+        """
+        start = time.perf_counter()
+        try:
+            await self.pause_generation(mode)
+            stats = await self.commit_staged()
+        finally:
+            if self.update_complete:
+                await self.resume_generation()
+        return {**stats, "paused_seconds": time.perf_counter() - start}
+
     def _swap_in(self, staged: StagedWeights,
                  swap: Callable[[dict[str, torch.Tensor], int | None], dict[str, torch.Tensor]],
                  ) -> dict[str, float]:

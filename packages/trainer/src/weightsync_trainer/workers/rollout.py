@@ -45,6 +45,13 @@ class RolloutWorker(CheckpointEngineWorker):
         """Sample responses for ``prompt_ids`` (``[batch, prompt_length]``)."""
         return await self._server().generate(prompt_ids, response_length, seed)
 
+    async def generate_sample(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> dict[str, Any]:
+        """Sample responses for ``prompt_ids``, with each token's weights version and time
+        (:meth:`HFGenerationServer.generate_sample`)."""
+        return await self._server().generate_sample(prompt_ids, response_length, seed)
+
     async def weights_checksum(self) -> str:
         """Digest of the weights this worker serves (a tensor-parallel worker's: the whole
         model, assembled from its replica's slices)."""
