@@ -74,6 +74,10 @@ class PolicySource(ActorCheckpointEngineMixin):
         """Every parameter, by name."""
         yield from ((name, p.detach()) for name, p in self.model.named_parameters())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights, by parameter name."""
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
     def checksum(self) -> str:
         """Digest of the weights as a replica serves them (bf16)."""
         return weights_digest((name, p.detach().to(torch.bfloat16))

@@ -1,0 +1,122 @@
+"""Staged syncs into a Hugging Face replica that a client keeps generating on (real Ray
+actors, real gloo, real HF generation): the client never gets an error nor a token of a
+version that was not committed whole, a response's tokens never go back a version, a stage
+refused in phase 1 leaves the replica serving its version, and what the replica serves
+after the syncs samples exactly what Hugging Face samples on the actor's last weights."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineManager,
+    RayRolloutReplica,
+    RayWorkerGroup,
+    SyncStageError,
+)
+from weightsync_trainer.bench_stall import MODELS, PolicySource
+from weightsync_trainer.modeling import build_policy_model
+from weightsync_trainer.workers.rollout import RolloutWorker
+
+MODEL = MODELS["tiny"]
+PROMPT = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+CONFIG = CheckpointEngineConfig(backend="gloo", rollout_dtype="bfloat16",
+                                update_weights_bucket_megabytes=1, sync_timeout_seconds=60)
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    source: Any = ray.remote(PolicySource).remote(CONFIG, MODEL)
+    worker: Any = ray.remote(RolloutWorker).remote(CONFIG, MODEL, 1.0, 1)
+    replica = RayRolloutReplica([worker], name="replica-0")
+    manager = CheckpointEngineManager(CONFIG, RayWorkerGroup([source]), [replica])
+    manager.update_weights_sync(global_steps=0)
+    yield source, worker, manager
+    for handle in (source, worker):
+        ray.kill(handle)
+
+
+async def _generating_while(worker: Any, syncs) -> list[dict[str, Any]]:
+    """Keep ``worker`` generating (one request after another) while ``syncs()`` runs."""
+    samples: list[dict[str, Any]] = []
+    done = asyncio.Event()
+
+    async def client() -> None:
+        seed = 0
+        while not done.is_set():
+            samples.append(await worker.generate_sample.remote(PROMPT, 12, seed))
+            seed += 1
+
+    task = asyncio.ensure_future(client())
+    try:
+        await syncs()
+    finally:
+        done.set()
+        await task
+    return samples
+
+
+def test_a_generating_client_sees_only_whole_versions_and_ends_on_the_actors(deployment):
+    source, worker, manager = deployment
+
+    async def syncs() -> None:
+        for step in range(1, 6):
+            await source.step.remote(step, 1.0)
+            metrics = await manager.update_weights(global_steps=step)
+            assert metrics["weightsync/staged"] == 1.0
+            await asyncio.sleep(0.05)
+
+    samples = asyncio.run(_generating_while(worker, syncs))
+    assert len(samples) > 5, "the client was not served while the syncs ran"
+    for sample in samples:
+        versions = sample["versions"]
+        assert set(versions) <= set(range(6)), versions
+        assert versions == sorted(versions), f"a response went back a version: {versions}"
+    assert ray.get(worker.weights_checksum.remote()) == ray.get(source.checksum.remote())
+    served = ray.get(worker.generate_sample.remote(PROMPT, 12, 1234))
+    assert served["versions"] == [5] * 12
+    reference = build_policy_model(MODEL).eval().to(torch.bfloat16)
+    reference.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in
+                               ray.get(source.state_dict.remote()).items()})
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        expected = reference.generate(  # pyright: ignore[reportCallIssue]
+            PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=True, temperature=1.0,
+            top_k=0, top_p=1.0, max_new_tokens=12, use_cache=True, pad_token_id=0)
+    assert torch.equal(served["tokens"], expected[:, PROMPT.shape[1]:])
+
+
+def test_a_stage_refused_in_phase_one_leaves_the_client_served_on_its_version(deployment):
+    source, worker, manager = deployment
+    version = ray.get(worker.weights_status.remote())["version"]
+    wider = MODEL.__class__(**{**vars(MODEL), "intermediate_size": 2 * MODEL.intermediate_size})
+    other: Any = ray.remote(PolicySource).remote(CONFIG, wider)
+    wrong = CheckpointEngineManager(CONFIG, RayWorkerGroup([other]), manager.replicas)
+    errors: list[BaseException] = []
+
+    async def failing_sync() -> None:
+        await asyncio.sleep(0.05)
+        try:
+            await wrong.update_weights(global_steps=99)
+        except SyncStageError as error:
+            errors.append(error)
+        await asyncio.sleep(0.05)
+
+    try:
+        samples = asyncio.run(_generating_while(worker, failing_sync))
+    finally:
+        ray.kill(other)
+    assert errors and "mlp" in str(errors[0]) and "Nothing was committed" in str(errors[0])
+    assert samples and all(set(s["versions"]) == {version} for s in samples)
+    status = manager.weights_status_sync()["replica 0"]
+    assert (status["state"], status["version"], status["staged_version"]) == (
+        "serving", version, None)
+    ray.get(source.step.remote(50, 1.0))
+    manager.update_weights_sync(global_steps=50)
+    assert ray.get(worker.weights_checksum.remote()) == ray.get(source.checksum.remote())
