@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "gae_advantages",
     "grpo_advantages",
+    "importance_weights",
     "policy_loss",
     "value_loss",
     "whiten",
@@ -62,15 +63,28 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-    clip_ratio: float,
+    clip_ratio: float, weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate (token mean); returns ``(loss, fraction of clipped tokens)``."""
+    """PPO's clipped surrogate (token mean); returns ``(loss, fraction of clipped tokens)``.
+    ``weights``: per-token weights of the surrogate (decoupled PPO's importance weights of
+    the actor before the update against the weights that sampled each token; see
+    :func:`importance_weights`)."""
     ratio = torch.exp(log_probs - old_log_probs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = torch.maximum(unclipped, clipped).mean()
+    surrogate = torch.maximum(unclipped, clipped)
+    loss = (surrogate if weights is None else surrogate * weights).mean()
     clip_fraction = (clipped > unclipped).float().mean()
     return loss, clip_fraction
+
+
+def importance_weights(
+    proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Per-token ``min(pi_prox / pi_behav, threshold)``: how much likelier the actor before
+    this update makes each token than the (possibly older) weights that sampled it did,
+    truncated (no gradient)."""
+    return torch.exp(proximal_log_probs - behaviour_log_probs).clamp(max=threshold).detach()
 
 
 def value_loss(

@@ -291,6 +291,38 @@ class AlgorithmConfig:
 
 
 @dataclass
+class AsyncRolloutConfig:
+    """``trainer.async_rollout``: asynchronous RL, rollout of the next steps overlapping the
+    actor's update of this one.
+
+    Attributes:
+        enable: while the actor trains on step N's batch and its weights are staged into
+            the replicas, the replicas already generate step N+1's batch with the version
+            they serve (off by default: synchronous, every batch from the newest weights).
+        max_staleness: how many actor updates a batch's oldest token may lag behind the
+            actor that trains on it (0: as synchronous, each batch waits for the sync before
+            it is generated; 1: generated while the previous batch trains).
+        is_threshold: with ``enable``, each token's loss is weighted by the ratio of the
+            actor's probability before this update to the probability of the weights that
+            sampled it (decoupled PPO, as AReaL and PipelineRL do: the clip is against the
+            actor before the update, and the ratio corrects for the older sampler),
+            truncated at this value.
+    """
+
+    enable: bool = False
+    max_staleness: int = 1
+    is_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError("trainer.async_rollout.max_staleness must be >= 0, got "
+                              f"{self.max_staleness!r}")
+        if not self.is_threshold >= 1.0:
+            raise ConfigError("trainer.async_rollout.is_threshold must be >= 1.0 (a "
+                              f"truncation of importance weights), got {self.is_threshold!r}")
+
+
+@dataclass
 class TrainerConfig:
     """``trainer``: the training loop.
 
@@ -306,6 +338,7 @@ class TrainerConfig:
             ``auto``: the one ``ray start`` started on this machine); ``None``: the
             ``RAY_ADDRESS`` environment variable, else a private local instance (beside any
             cluster running on the machine).
+        async_rollout: asynchronous RL (:class:`AsyncRolloutConfig`).
     """
 
     total_training_steps: int = 30
@@ -315,6 +348,7 @@ class TrainerConfig:
     output_dir: str | None = None
     torch_threads: int = 1
     ray_address: str | None = None
+    async_rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
 
     def __post_init__(self) -> None:
         _positive(total_training_steps=self.total_training_steps, nnodes=self.nnodes,
@@ -380,6 +414,13 @@ class ExperimentConfig:
                            self.critic.world_size))
         for section, mini_batch, ranks, world_size in groups:
             self._check_mini_batches(section, mini_batch, ranks, world_size)
+        engine = self.actor_rollout_ref.rollout.checkpoint_engine
+        if self.trainer.async_rollout.enable and engine.backend == "naive":
+            raise ConfigError(
+                "trainer.async_rollout.enable=true needs rollout replicas of their own: with "
+                "the colocated backend 'naive' the actor's processes generate, and cannot "
+                "while they train; choose another actor_rollout_ref.rollout.checkpoint_engine."
+                "backend (gloo, nixl, ...)")
 
     def _check_mini_batches(self, section: str, mini_batch: int, ranks: str,
                             world_size: int) -> None:
@@ -458,6 +499,8 @@ class TrainingWorkerConfig:
         temperature: the rollout's sampling temperature (log-probabilities use it; a
             colocated actor also samples with it).
         torch_threads: intra-op threads of the worker process.
+        is_threshold: the truncation of the importance weights of a batch that carries the
+            sampling weights' log-probabilities (asynchronous RL; actor).
         extra_context: free-form values for custom workers (any picklable value, tensors
             included), injected per role by a :class:`~weightsync_trainer.TaskRunner` subclass.
     """
@@ -473,6 +516,7 @@ class TrainingWorkerConfig:
     cliprange_value: float = 0.5
     temperature: float = 1.0
     torch_threads: int = 1
+    is_threshold: float = 2.0
     extra_context: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -121,6 +121,27 @@ class HFRolloutReplica(RayRolloutReplica):
         return torch.cat(outputs)
 
 
+    async def generate_sample(
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+    ) -> dict[str, torch.Tensor]:
+        """As :meth:`generate`, with what sampled each token: ``{"tokens", "log_probs",
+        "versions"}``, each ``[rows, response_length]`` (``versions``: the weights version
+        of each token, -1 for none)."""
+        workers = self.workers[:1] if self.tensor_parallel else self.workers
+        shares = prompt_ids.tensor_split(min(len(workers), prompt_ids.shape[0]))
+        samples = await asyncio.gather(*(
+            worker.generate_sample.remote(share, response_length, seed + index)
+            for index, (worker, share) in enumerate(zip(workers, shares, strict=False))
+        ))
+        return {
+            "tokens": torch.cat([sample["tokens"] for sample in samples]),
+            "log_probs": torch.cat([sample["log_probs"] for sample in samples]),
+            "versions": torch.cat([
+                torch.tensor([-1 if v is None else v for v in sample["versions"]]).expand(
+                    sample["tokens"].shape[0], -1) for sample in samples]),
+        }
+
+
 class LLMServerClient:
     """Sends generation requests to rollout replicas chosen by a load balancer.
 
@@ -152,6 +173,17 @@ class LLMServerClient:
         server_id, server = await self._acquire_server(request_id)
         try:
             return await server.generate(prompt_ids, self.config.data.max_response_length, seed)
+        finally:
+            await self._release_server(server_id)
+
+    async def generate_sample(self, prompt_ids: torch.Tensor, request_id: str, seed: int
+                              ) -> dict[str, torch.Tensor]:
+        """As :meth:`generate`, with each token's log-probability and weights version as
+        sampled (:meth:`HFRolloutReplica.generate_sample`)."""
+        server_id, server = await self._acquire_server(request_id)
+        try:
+            return await server.generate_sample(prompt_ids, self.config.data.max_response_length,
+                                                seed)
         finally:
             await self._release_server(server_id)
 

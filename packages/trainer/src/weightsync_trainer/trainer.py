@@ -18,6 +18,7 @@ from weightsync_core import (
     run_sync,
 )
 from weightsync_trainer.algorithms import gae_advantages, grpo_advantages, whiten
+from weightsync_trainer.async_rollout import AsyncRollout
 from weightsync_trainer.config import ExperimentConfig, TrainingWorkerConfig
 from weightsync_trainer.groups import TrainingWorkerGroup
 from weightsync_trainer.llm_server import LLMServerClient, LLMServerManager
@@ -92,6 +93,7 @@ class RayPPOTrainer:
             cliprange_value=config.critic.cliprange_value,
             temperature=rollout.temperature,
             torch_threads=config.trainer.torch_threads,
+            is_threshold=config.trainer.async_rollout.is_threshold,
             extra_context=getattr(self, f"_{role}_extra_context", None) or {},
         )
 
@@ -139,6 +141,29 @@ class RayPPOTrainer:
         input_ids = torch.cat([prompts.repeat_interleave(group_size, dim=0), responses], dim=1)
         return input_ids, responses
 
+    async def sample_batch(self, step: int) -> dict[str, torch.Tensor]:
+        """As :meth:`generate`, with what sampled each response token (asynchronous RL):
+        ``{"input_ids", "responses", "behaviour_log_probs", "versions"}`` (``versions``: the
+        weights version of each token)."""
+        group_size = self.config.actor_rollout_ref.rollout.n
+        prompts = self.task.sample_prompts(self.config.data.train_batch_size, self._generator)
+        base_seed = (self.config.trainer.seed * 1_000_003 + step) * 10_000
+        client = self._started(self.client, "client")
+        samples = await asyncio.gather(*(
+            client.generate_sample(prompt.expand(group_size, -1).contiguous(),
+                                   request_id=f"step{step}-prompt{index}",
+                                   seed=base_seed + index * group_size)
+            for index, prompt in enumerate(prompts)
+        ))
+        responses = torch.cat([sample["tokens"] for sample in samples])
+        return {
+            "input_ids": torch.cat([prompts.repeat_interleave(group_size, dim=0), responses],
+                                   dim=1),
+            "responses": responses,
+            "behaviour_log_probs": torch.cat([sample["log_probs"] for sample in samples]),
+            "versions": torch.cat([sample["versions"] for sample in samples]),
+        }
+
     async def _advantages(
         self, input_ids: torch.Tensor, rewards: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -157,30 +182,13 @@ class RayPPOTrainer:
 
     async def train_step(self, step: int) -> dict[str, float]:
         """One step; returns its metrics (reward, losses, timings and the sync's metrics)."""
-        actor_wg = self._started(self.actor_wg, "actor_wg")
         checkpoint_manager = self._started(self.checkpoint_manager, "checkpoint_manager")
         start = time.perf_counter()
         input_ids, responses = await self.generate(step)
-        rewards = self.task.reward(responses)
         generated = time.perf_counter()
-        advantages, critic_batch = await self._advantages(input_ids, rewards)
-        calls = [asyncio.gather(*actor_wg.call_split(
-            "update_policy", {"input_ids": input_ids, "advantages": advantages}
-        ))]
-        if critic_batch:
-            critic_wg = self._started(self.critic_wg, "critic_wg")
-            calls.append(asyncio.gather(*critic_wg.call_split("update_critic", critic_batch)))
-        updates = await asyncio.gather(*calls)
+        metrics = await self.train_on(step, input_ids, responses)
         trained = time.perf_counter()
-        sync = await checkpoint_manager.update_weights(global_steps=step)
-        metrics: dict[str, float] = {
-            "step": step,
-            "reward/mean": rewards.mean().item(),
-            "reward/max": rewards.max().item(),
-        }
-        for per_rank in updates:
-            metrics.update(_mean_metrics(per_rank))
-        metrics.update(sync)
+        metrics.update(await checkpoint_manager.update_weights(global_steps=step))
         metrics.update({
             "timing/generate_s": generated - start,
             "timing/train_s": trained - generated,
@@ -188,9 +196,37 @@ class RayPPOTrainer:
         })
         return metrics
 
+    async def train_on(self, step: int, input_ids: torch.Tensor, responses: torch.Tensor,
+                      behaviour_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+        """Reward ``responses``, then update the actor (and the critic) on them; returns
+        the step's reward and the workers' metrics."""
+        actor_wg = self._started(self.actor_wg, "actor_wg")
+        rewards = self.task.reward(responses)
+        advantages, critic_batch = await self._advantages(input_ids, rewards)
+        batch = {"input_ids": input_ids, "advantages": advantages}
+        if behaviour_log_probs is not None:
+            batch["behaviour_log_probs"] = behaviour_log_probs
+        calls = [asyncio.gather(*actor_wg.call_split("update_policy", batch))]
+        if critic_batch:
+            critic_wg = self._started(self.critic_wg, "critic_wg")
+            calls.append(asyncio.gather(*critic_wg.call_split("update_critic", critic_batch)))
+        updates = await asyncio.gather(*calls)
+        metrics: dict[str, float] = {
+            "step": step,
+            "reward/mean": rewards.mean().item(),
+            "reward/max": rewards.max().item(),
+        }
+        for per_rank in updates:
+            metrics.update(_mean_metrics(per_rank))
+        return metrics
+
     async def fit(self, on_step: StepCallback | None = None) -> list[dict[str, float]]:
         """Run ``trainer.total_training_steps`` steps (workers must be initialised);
-        ``on_step`` gets each step's metrics as soon as it finishes."""
+        ``on_step`` gets each step's metrics as soon as it finishes. With
+        ``trainer.async_rollout.enable``, rollout runs ahead of training
+        (:class:`~weightsync_trainer.async_rollout.AsyncRollout`)."""
+        if self.config.trainer.async_rollout.enable:
+            return await AsyncRollout(self).fit(on_step)
         history = []
         for step in range(1, self.config.trainer.total_training_steps + 1):
             metrics = await self.train_step(step)

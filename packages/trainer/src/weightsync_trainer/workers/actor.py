@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
 from weightsync_core.data.shards import LayoutSpec, fsdp_spec
-from weightsync_trainer.algorithms import policy_loss
+from weightsync_trainer.algorithms import importance_weights, policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
 from weightsync_trainer.workers.training import (
@@ -67,7 +67,11 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +
-        response, ``advantages``: ``[batch, response_length]``)."""
+        response, ``advantages``: ``[batch, response_length]``). With
+        ``behaviour_log_probs`` (each response token's log-probability under the weights
+        that sampled it: asynchronous RL), decoupled PPO: the clip is against this actor
+        before the update, and each token is weighted by
+        :func:`~weightsync_trainer.algorithms.importance_weights`."""
         input_ids, advantages = batch["input_ids"], batch["advantages"]
         length = advantages.shape[1]
         temperature = self.config.temperature
@@ -75,17 +79,25 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         model.eval()
         with torch.no_grad():
             old_log_probs, _ = response_log_probs(model, input_ids, length, temperature)
+        behaviour = batch.get("behaviour_log_probs")
+        weights = (None if behaviour is None else
+                   importance_weights(old_log_probs, behaviour, self.config.is_threshold))
 
         def loss_fn(rows: slice):
             log_probs, entropy = response_log_probs(model, input_ids[rows], length, temperature)
             loss, clip_fraction = policy_loss(
-                log_probs, old_log_probs[rows], advantages[rows], self.config.clip_ratio
+                log_probs, old_log_probs[rows], advantages[rows], self.config.clip_ratio,
+                None if weights is None else weights[rows],
             )
-            return loss, {
+            metrics = {
                 "actor/pg_loss": loss.detach(),
                 "actor/clip_fraction": clip_fraction,
                 "actor/entropy": entropy.detach().mean(),
             }
+            if weights is not None:
+                metrics["actor/is_weight_mean"] = weights[rows].mean()
+                metrics["actor/is_weight_max"] = weights[rows].max()
+            return loss, metrics
 
         return self._optimize(loss_fn, input_ids.shape[0])
 

@@ -88,7 +88,8 @@ class HFGenerationServer:
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
     ) -> dict[str, Any]:
         """Sample one response of exactly ``response_length`` tokens per prompt row, with
-        what produced it: ``{"tokens", "versions" (the weights version each token was
+        what produced it: ``{"tokens", "log_probs" (of each token under the weights and
+        temperature that sampled it), "versions" (the weights version each token was
         sampled with: a ``keep`` pause may switch it mid-response), "token_times"
         (``time.monotonic()`` as each token came)}``.
 
@@ -119,6 +120,8 @@ class HFGenerationServer:
                     use_cache=True,
                     pad_token_id=0,
                     stopping_criteria=StoppingCriteriaList([watch]),
+                    output_scores=True,
+                    return_dict_in_generate=True,
                 )
         finally:
             self.gate.leave()
@@ -126,8 +129,12 @@ class HFGenerationServer:
             raise GenerationAborted(
                 f"the request was aborted after {len(watch.token_times)} of "
                 f"{response_length} tokens by a pause for new weights; send it again")
-        return {"tokens": output[:, prompt_ids.shape[1]:], "versions": watch.versions,
-                "token_times": watch.token_times}
+        tokens = output.sequences[:, prompt_ids.shape[1]:]
+        # the scores are the logits as sampled from (after the temperature)
+        scores = torch.stack(output.scores, dim=1).float()
+        log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1))
+        return {"tokens": tokens, "log_probs": log_probs.squeeze(-1),
+                "versions": watch.versions, "token_times": watch.token_times}
 
     def _target(self, name: str, tensor: torch.Tensor,
                 params: Mapping[str, torch.nn.Parameter]) -> torch.nn.Parameter:
