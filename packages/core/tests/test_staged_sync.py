@@ -145,3 +145,17 @@ def test_an_update_after_a_stage_drops_it_and_a_discarded_stage_is_gone(harness)
     manager.discard_staged_weights_sync()
     assert all(status["staged_version"] is None for status in _statuses(harness))
     _delivered(harness, expected, 31)
+
+
+def test_staging_never_is_stop_the_world_and_refuses_a_stage_by_name(harness):
+    manager = harness.manager(staging="never")
+    assert not manager.stages_syncs()
+    expected = harness.set_weights(seed=40)
+    metrics = manager.update_weights_sync(global_steps=40)
+    assert metrics["weightsync/staged"] == 0.0
+    _delivered(harness, expected, 40)
+    for lifecycle in _lifecycles(harness):
+        assert lifecycle[-4:] == [PAUSE, "release_kv_cache", "resume_kv_cache", RESUME]
+    with pytest.raises(TypeError, match="config.staging is 'never'"):
+        manager.stage_weights_sync(global_steps=41)
+    assert harness.manager().stages_syncs()

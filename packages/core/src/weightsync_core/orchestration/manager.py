@@ -438,7 +438,8 @@ class CheckpointEngineManager:
 
         Raises:
             TypeError: the backend hands weights over inside the actor's process (``naive``):
-                it has nothing to stage.
+                it has nothing to stage; or the replicas' workers cannot stage (verl's own),
+                or ``config.staging`` is ``"never"`` (:meth:`stages_syncs`), saying which.
         """
         return await self._stage_weights(global_steps, allow_manifest_change)
 
@@ -448,6 +449,8 @@ class CheckpointEngineManager:
         if self.backend_cls.is_colocated:
             raise TypeError(f"backend {self.backend!r} hands the weights over inside the "
                             "actor's process: there is no stage; use update_weights")
+        if self.replicas and not self.stages_syncs():
+            raise TypeError(self._why_no_stage())
         self._staged = []
         return await self._sync(list(self.replicas), global_steps, False,
                                 allow_manifest_change, staged=True)
@@ -529,6 +532,22 @@ class CheckpointEngineManager:
             status[self._replica_name(replica, index)] = replica_status(
                 workers, stale=any(replica is known for known in self.stale_replicas))
         return status
+
+    def _why_no_stage(self) -> str:
+        """Why :meth:`stages_syncs` is false for these replicas (not colocated)."""
+        if self.config.staging == "never":
+            return ("config.staging is 'never': syncs are stop-the-world; set staging='auto' "
+                    "to stage, or use update_weights")
+        group = self._rollout_group_class()
+        if not hasattr(group, "stage_weights"):
+            return (f"the replicas' worker group {group.__qualname__} has no stage_weights: "
+                    "its workers load as they receive (stop-the-world); use update_weights")
+        lacking = sorted({type(worker).__name__ for replica in self.replicas
+                          for worker in replica.workers
+                          if not all(hasattr(worker, m) for m in _STAGING_CALLS)})
+        return (f"rollout workers of class(es) {', '.join(lacking)} cannot stage (they lack "
+                f"{', '.join(_STAGING_CALLS)}); use update_weights, which is stop-the-world "
+                "for them")
 
     async def _pause_for_switch(self, replica: RolloutReplica) -> None:
         """Pause ``replica`` for a commit: its ``pause_generation(config.pause_mode)``, or,
