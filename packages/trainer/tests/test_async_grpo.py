@@ -35,7 +35,7 @@ def test_rollout_runs_one_update_ahead_and_the_replica_ends_exact(async_run):
         assert responses == 64 and row["async/staleness_1"] > 0, row
     for row in rows:
         assert row["weightsync/staged"] == 1.0
-        assert 0.0 < row["actor/is_weight_mean"] and row["actor/is_weight_max"] <= 2.0
+        assert row["actor/is_weight_mean"] > 0.0 and row["actor/is_weight_max"] <= 2.0
 
 
 def test_the_reward_rises_under_staleness(async_run):

@@ -120,3 +120,67 @@ def test_a_stage_refused_in_phase_one_leaves_the_client_served_on_its_version(de
     ray.get(source.step.remote(50, 1.0))
     manager.update_weights_sync(global_steps=50)
     assert ray.get(worker.weights_checksum.remote()) == ray.get(source.checksum.remote())
+
+
+def test_a_sender_killed_mid_stage_leaves_the_client_served_and_the_next_sync_exact():
+    """Phase 1 fault with a generating client: the actor rank dies after a few tensors of
+    the stage (a 99.5M-parameter model, so that the stage lasts). The sync fails naming it;
+    the replica never stopped serving version 0 and takes the next sync exactly."""
+    model = MODELS["100m"]
+    prompt = torch.randint(0, model.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    source: Any = ray.remote(PolicySource).remote(CONFIG, model)
+    worker: Any = ray.remote(RolloutWorker).remote(CONFIG, model, 1.0, 1)
+    replicas = [RayRolloutReplica([worker], name="replica-0")]
+    replacement: Any = None
+    try:
+        manager = CheckpointEngineManager(CONFIG, RayWorkerGroup([source]), replicas)
+        manager.update_weights_sync(global_steps=0)
+        ray.get(source.step.remote(1, 1.0))
+        errors: list[BaseException] = []
+
+        async def killed_sync() -> None:
+            syncing = asyncio.ensure_future(manager.update_weights(global_steps=1))
+            while not syncing.done():  # kill the sender once the stage has begun
+                progress = await worker.execute_checkpoint_engine.remote("sync_progress")
+                if progress["tensors"] >= 3:
+                    ray.kill(source)
+                    break
+                await asyncio.sleep(0.01)
+            try:
+                await syncing
+            except SyncStageError as error:
+                errors.append(error)
+            await asyncio.sleep(0.2)
+
+        async def generating() -> list[dict[str, Any]]:
+            samples: list[dict[str, Any]] = []
+            done = asyncio.Event()
+
+            async def client() -> None:
+                seed = 0
+                while not done.is_set():
+                    samples.append(await worker.generate_sample.remote(prompt, 4, seed))
+                    seed += 1
+
+            task = asyncio.ensure_future(client())
+            try:
+                await killed_sync()
+            finally:
+                done.set()
+                await task
+            return samples
+
+        samples = asyncio.run(generating())
+        assert errors, "the sender was not killed before the sync ended"
+        assert "actor_wg rank 0" in str(errors[0]) and "Nothing was committed" in str(errors[0])
+        assert samples and all(set(sample["versions"]) == {0} for sample in samples)
+        status = manager.weights_status_sync()["replica 0"]
+        assert (status["state"], status["version"]) == ("serving", 0)
+        replacement = ray.remote(PolicySource).remote(CONFIG, model)
+        CheckpointEngineManager(CONFIG, RayWorkerGroup([replacement]), replicas
+                                ).update_weights_sync(global_steps=2)
+        assert ray.get(worker.weights_checksum.remote()) == ray.get(replacement.checksum.remote())
+    finally:
+        for handle in (source, worker, replacement):
+            if handle is not None:
+                ray.kill(handle)
