@@ -7,6 +7,7 @@ import torch
 from weightsync_core.testing.weights import Faults, faulty_stream
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.model_source import ModelWeightsSource
+from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
 
 
 class FaultySource(ModelWeightsSource):
@@ -41,6 +42,14 @@ class ProbedAsyncWorker(AsyncVLLMRolloutWorker):
                                  detokenize=False) for _ in range(prompt_ids.shape[0])]
         prompts = [{"prompt_token_ids": row.tolist()} for row in prompt_ids]
         return torch.tensor(await self._sample(prompts, params), dtype=prompt_ids.dtype)
+
+    async def engine_paused(self) -> bool:
+        """vLLM's own answer."""
+        return await self.engine.is_paused()
+
+
+class ProbedStagedWorker(StagedAsyncVLLMRolloutWorker):
+    """A staged AsyncLLM rollout worker that says whether vLLM's engine is paused."""
 
     async def engine_paused(self) -> bool:
         """vLLM's own answer."""

@@ -7,6 +7,7 @@ from importlib.metadata import version
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.model_source import ModelWeightsSource, perturb_, save_qwen2
 from weightsync_vllm.plugin import BACKEND_NAME
+from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
 from weightsync_vllm.tensor_parallel import VLLMReplica
 from weightsync_vllm.worker import VLLMRolloutWorker, default_engine_args
 
@@ -16,6 +17,7 @@ __all__ = [
     "BACKEND_NAME",
     "AsyncVLLMRolloutWorker",
     "ModelWeightsSource",
+    "StagedAsyncVLLMRolloutWorker",
     "VLLMReplica",
     "VLLMRolloutWorker",
     "__version__",

@@ -28,6 +28,30 @@ class WeightsyncWorkerExtension:
 
         return self.weightsync_call(method, per_rank_kwargs[get_tensor_model_parallel_rank()])
 
+    def weightsync_begin_stage(self, update_info: dict[str, Any]) -> None:
+        """Start phase 1 of a staged sync in the background (the engine's ``begin_stage``)."""
+        self._weightsync_engine().begin_stage(update_info)
+
+    def weightsync_stage_status(self) -> dict[str, Any]:
+        """How the stage goes (the engine's ``stage_status``)."""
+        return self._weightsync_engine().stage_status()
+
+    def weightsync_commit_staged(self) -> dict[str, float]:
+        """Phase 2: load the stage (the engine's ``commit_staged``)."""
+        return self._weightsync_engine().commit_staged()
+
+    def weightsync_roll_back_commit(self) -> None:
+        """Reload the version the last commit replaced."""
+        self._weightsync_engine().roll_back_commit()
+
+    def weightsync_discard_staged(self) -> None:
+        """Drop the stage."""
+        self._weightsync_engine().discard_staged()
+
+    def weightsync_weights_status(self) -> dict[str, Any]:
+        """What this worker serves, has staged and could roll back to."""
+        return self._weightsync_engine().weights_status()
+
     def weightsync_last_stats(self) -> dict[str, float]:
         """What the last update moved (tensors, bytes, seconds)."""
         return dict(self._weightsync_engine().last_stats)

@@ -240,9 +240,13 @@ class VLLMRolloutWorkerBase:
                 min_tokens=response_length, ignore_eos=True, seed=seed + index,
                 detokenize=False,
             ) for index in range(prompt_ids.shape[0])]
-            prompts = [{"prompt_token_ids": row.tolist()} for row in prompt_ids]
+            prompts = [self._prompt(row) for row in prompt_ids]
             tokens = await self._sample(prompts, params)
         return torch.tensor(tokens, dtype=prompt_ids.dtype)
+
+    def _prompt(self, token_ids: torch.Tensor) -> dict[str, Any]:
+        """vLLM's prompt of one row of token ids."""
+        return {"prompt_token_ids": token_ids.tolist()}
 
     def _check_serving(self) -> None:
         if not self.update_complete:

@@ -10,12 +10,14 @@ version of the weights over it, verified, straight into ``model.load_weights``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -41,6 +43,8 @@ from weightsync_vllm.stage_arguments import typed_arguments
 __all__ = ["WeightsyncInitInfo", "WeightsyncTransferEngine", "WeightsyncUpdateInfo"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _STAGE_MARGIN_SECONDS = 5.0
 """Extra time a call into the engine gets beyond the sync timeout, so that the engine's own
@@ -101,6 +105,16 @@ class _ModelLoader:
         self.engine = engine
         self.load_seconds = 0.0
         """Seconds the last update spent in ``load_weights``."""
+        self.reloads = False
+        """Whether an update runs vLLM's layerwise reload itself (a staged commit, or its
+        roll-back: no ``start_weight_update`` / ``finish_weight_update`` around them)."""
+
+    def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Refuse, while it is staged, a whole tensor the model does not hold with that
+        name, shape and dtype (what :meth:`update_weights` would refuse at the commit)."""
+        expected = self.engine.expected_weights()
+        if expected is not None and self._needed_boxes(expected) is None:
+            expected.check(name, tensor)
 
     def weight_layout(self) -> LayoutSpec | None:
         """This worker's slices of a Qwen2/Llama model under tensor parallelism (None: every
@@ -121,6 +135,18 @@ class _ModelLoader:
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
+        if not self.reloads:
+            await self._load(weights)
+            return
+        start_reload(self.engine.model)
+        try:
+            await self._load(weights)
+        except BaseException:
+            abandon_reload(self.engine.model, self.engine.model_config)
+            raise
+        finish_reload(self.engine.model, self.engine.model_config)
+
+    async def _load(self, weights: AsyncIterator[tuple[str, torch.Tensor]]) -> None:
         model = self.engine.model
         if not isinstance(model, _LoadsWeights):
             raise TypeError(
@@ -174,6 +200,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             self.model_config, str(self.vllm_config.load_config.load_format)
         )
         self._loader = _ModelLoader(self)
+        self._stage: concurrent.futures.Future[dict[str, float]] | None = None
         self.last_stats: dict[str, float] = {}
         """What the last update moved (``num_tensors``, ``nbytes``, ``seconds``, ...) and the
         seconds vLLM spent on it: ``load_seconds`` in ``load_weights``, ``finish_seconds`` in
@@ -293,6 +320,60 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise
         finally:
             channel.close()
+
+    # -- staged updates: phase 1 in the background while vLLM serves, phase 2 under a pause
+    def begin_stage(self, update_info: dict[str, Any]) -> None:
+        """Start receiving one version into the stage of this worker's weightsync worker
+        (:meth:`CheckpointEngineWorker.stage_weights`), in the background on this engine's
+        loop, and return: vLLM serves its weights meanwhile (nothing is loaded). Poll
+        :meth:`stage_status`."""
+        update = WeightsyncUpdateInfo(**update_info)
+        self._stage = asyncio.run_coroutine_threadsafe(self.worker.stage_weights(
+            update.global_steps, update.allow_manifest_change, update.delta_base,
+            update.delta_version), self._loop.loop)
+
+    def stage_status(self) -> dict[str, Any]:
+        """``{"done": False}`` while the stage is being received; then ``{"done": True}``
+        and its figures, or the error it failed with (raised)."""
+        stage = self._stage
+        if stage is None:
+            raise WeightSyncError("no stage is being received: begin_stage first")
+        if not stage.done():
+            return {"done": False}
+        self._stage = None
+        return {"done": True, **stage.result()}
+
+    def commit_staged(self) -> dict[str, float]:
+        """Load the stage into the model in one layerwise reload (the caller has paused
+        vLLM); where vLLM refuses it, the reload is abandoned and the version served is
+        reloaded from the worker's copy (:meth:`CheckpointEngineWorker.commit_staged`)."""
+        return self._reloading(self.worker.commit_staged())
+
+    def roll_back_commit(self) -> None:
+        """Reload the version the last commit replaced (another worker of the replica failed
+        to take its stage)."""
+        self._reloading(self.worker.roll_back_commit())
+
+    def discard_staged(self) -> None:
+        """Drop the stage (vLLM never saw it)."""
+        async def discard() -> None:
+            self.worker.discard_staged()
+
+        self._loop.run(discard(), _STAGE_MARGIN_SECONDS)
+
+    def weights_status(self) -> dict[str, Any]:
+        """The weightsync worker's :meth:`CheckpointEngineWorker.weights_status`."""
+        async def status() -> dict[str, Any]:
+            return self.worker.weights_status()
+
+        return self._loop.run(status(), _STAGE_MARGIN_SECONDS)
+
+    def _reloading(self, update: Coroutine[Any, Any, T]) -> T:
+        self._loader.reloads = True
+        try:
+            return self._loop.run(update, self._timeout())
+        finally:
+            self._loader.reloads = False
 
     def finish_weight_update(self) -> None:
         """Process the loaded weights into the model's kernels (vLLM's layerwise reload),

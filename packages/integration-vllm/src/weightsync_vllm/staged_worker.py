@@ -1,0 +1,126 @@
+"""An ``AsyncLLM`` rollout worker whose syncs are staged: vLLM keeps generating while the
+next version streams into a stage in its worker process, and pauses only to load it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
+
+__all__ = ["StagedAsyncVLLMRolloutWorker"]
+
+_POLL_SECONDS = 0.02
+"""How often the actor asks vLLM's worker whether its stage is complete (each question is a
+short ``collective_rpc`` between two of the engine's steps)."""
+
+_VLLM_PAUSE_MODES = {"keep": "keep", "drain": "wait", "abort": "abort"}
+"""weightsync's pause modes as vLLM's ``pause_generation`` names them."""
+
+
+class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
+    """:class:`~weightsync_vllm.async_worker.AsyncVLLMRolloutWorker` taking part in staged
+    syncs (weightsync-core's manager stages wherever every worker can, so a replica of this
+    worker gets them from ``update_weights``).
+
+    Phase 1 (:meth:`stage_weights`): vLLM's worker receives and checks the version into a
+    host stage on a loop of its own (the engine's other stages, short, still run between
+    two of vLLM's steps), each tensor checked against the model's names, shapes and dtypes;
+    the actor polls it; vLLM generates throughout. Phase 2 (:meth:`switch_to_staged`):
+    vLLM's ``pause_generation`` (``keep``: requests in flight freeze with their KV cache and
+    continue on the new weights; ``drain``: vLLM's ``wait``; ``abort``), one layerwise
+    reload from the stage, and ``resume_generation``; where vLLM refuses the stage, the
+    reload is abandoned and the version it served is reloaded from the worker's copy, and it
+    resumes on it. Requests carry a cache salt of the version they started on, so no new
+    request reuses a prefix cached under other weights (the cache is never cleared).
+
+    vLLM's worker keeps, besides the model: the stage (M, host, until the commit), a copy of
+    the version served (M, from the first staged commit on) and of the one before (M, until
+    the next stage), M being the model in the sync's rollout dtype. One vLLM worker
+    (``tensor_parallel_size=1``); tensor-parallel engines take stop-the-world syncs.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As :class:`~weightsync_vllm.async_worker.AsyncVLLMRolloutWorker`."""
+        super().__init__(*args, **kwargs)
+        self.staged_version: int | None = None
+        self.rollback_version: int | None = None
+
+    async def stage_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
+    ) -> dict[str, float]:
+        """Phase 1: receive and check one version into vLLM's worker's stage while vLLM
+        serves; returns the stage's figures."""
+        self._check_single_rank("stage_weights")
+        await self._ensure_transfer_engine()
+        self.staged_version = None
+        await self._rpc("weightsync_begin_stage", update_info={
+            "global_steps": global_steps, "allow_manifest_change": allow_manifest_change,
+            "delta_base": delta_base, "delta_version": delta_version,
+        })
+        while True:
+            status = await self._rpc("weightsync_stage_status")
+            if status.pop("done"):
+                self.staged_version = global_steps
+                return status
+            await asyncio.sleep(_POLL_SECONDS)
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """Pause vLLM for a switch (``keep``, ``drain`` or ``abort``), its caches kept."""
+        if mode not in _VLLM_PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {sorted(_VLLM_PAUSE_MODES)}, got "
+                             f"{mode!r}")
+        await self.engine.pause_generation(mode=_VLLM_PAUSE_MODES[mode], clear_cache=False)
+
+    async def commit_staged(self) -> dict[str, float]:
+        """Phase 2 under the caller's pause: load the stage (rolled back to the version
+        served where vLLM refuses it)."""
+        try:
+            stats = await self._rpc("weightsync_commit_staged")
+        finally:
+            await self._take_status()
+        return stats
+
+    async def roll_back_commit(self) -> None:
+        """Reload the version the last commit replaced."""
+        try:
+            await self._rpc("weightsync_roll_back_commit")
+        finally:
+            await self._take_status()
+
+    async def discard_staged(self) -> None:
+        """Drop the stage."""
+        await self._rpc("weightsync_discard_staged")
+        self.staged_version = None
+
+    async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
+        """Phase 2 of a replica of this one worker: pause, commit, resume (unless vLLM holds
+        a mix of versions, which :meth:`generate` then refuses to serve)."""
+        start = time.perf_counter()
+        try:
+            await self.pause_generation(mode)
+            stats = await self.commit_staged()
+        finally:
+            if self.update_complete:
+                await self.resume_generation()
+        return {**stats, "paused_seconds": time.perf_counter() - start}
+
+    async def _take_status(self) -> None:
+        """What vLLM's worker serves after a commit or a roll-back."""
+        status = await self._rpc("weightsync_weights_status")
+        self.weights_version = status["version"]
+        self.update_complete = bool(status["complete"])
+        self.staged_version = status["staged_version"]
+        self.rollback_version = status["rollback_version"]
+
+    def weights_status(self) -> dict[str, Any]:
+        """``{"version", "complete", "staged_version", "rollback_version"}``."""
+        return {**super().weights_status(), "staged_version": self.staged_version,
+                "rollback_version": self.rollback_version}
+
+    def _prompt(self, token_ids: torch.Tensor) -> dict[str, Any]:
+        return {**super()._prompt(token_ids), "cache_salt": f"weights-{self.weights_version}"}
