@@ -177,8 +177,8 @@ def test_lying_processes_of_a_real_sync_are_named_before_any_byte_moves():
             assert f"{name} {what}" in str(info.value)
             assert manager.stale_replicas == []
             ray.get(liar.lie_in_prepare.remote())
-        for report in harness.reports():
-            assert report["lifecycle"][-2:] == ["resume_kv_cache", "resume_generation"]
+        for report in harness.reports():  # none left paused (a staged sync paused none)
+            assert report["lifecycle"][-1:] in ([], ["resume_generation"]), report["lifecycle"]
             assert report["global_steps"] == []  # nothing was loaded
         expected = harness.set_weights(seed=62)
         manager.update_weights_sync(global_steps=62)

@@ -257,8 +257,9 @@ def test_a_sync_reports_every_stage_time_and_what_it_moved():
             "resume_generation", "total",
         )),
         "weightsync/bytes", "weightsync/tensors", "weightsync/buckets", "weightsync/replicas",
-        "weightsync/transfer_gbps", "weightsync/gbps",
+        "weightsync/transfer_gbps", "weightsync/gbps", "weightsync/staged",
     }
+    assert metrics["weightsync/staged"] == 0.0  # naive hands over in-process: no stage
     assert (metrics["weightsync/bytes"], metrics["weightsync/tensors"],
             metrics["weightsync/buckets"], metrics["weightsync/replicas"]) == (4e6, 3, 2, 1)
 

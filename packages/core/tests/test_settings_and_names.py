@@ -100,9 +100,9 @@ def test_a_worker_built_with_another_rollout_dtype_is_refused_before_any_byte_mo
                 f"{_BUILT_WITH_ANOTHER}") in str(error), str(error)
         # nothing moved, no replica is left stale, every replica serves again
         assert manager.stale_replicas == []
-        for report in harness.reports([first, odd]):
+        for report in harness.reports([first, odd]):  # none left paused
             assert 3 not in report["global_steps"]
-            assert report["lifecycle"][-2:] == ["resume_kv_cache", "resume_generation"]
+            assert report["lifecycle"][-1:] in ([], ["resume_generation"]), report["lifecycle"]
     finally:
         for worker in odd.workers:
             ray.kill(worker)
@@ -149,10 +149,11 @@ def test_a_worker_killed_between_syncs_is_named_not_its_replica(harness):
         with pytest.raises(SyncStageError) as info:
             manager.update_weights_sync(global_steps=6)
         error = info.value
-        assert (error.stage, error.worker) == ("abort_requests",
+        # its first call: the pause of a stop-the-world sync, the key of a staged one
+        first_stage = "authenticate" if manager.stages_syncs() else "abort_requests"
+        assert (error.stage, error.worker) == (first_stage,
                                                "rollout rank 2 (replica 1, worker 1)")
-        assert ("failed at stage 'abort_requests' rollout rank 2 (replica 1, worker 1) died: "
-                in str(error)), str(error)
+        assert "rollout rank 2 (replica 1, worker 1) died: " in str(error), str(error)
         assert "replica 1 died" not in str(error)
         # the same outside a sync
         with pytest.raises(SyncStageError) as info:

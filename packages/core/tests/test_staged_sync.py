@@ -156,6 +156,6 @@ def test_staging_never_is_stop_the_world_and_refuses_a_stage_by_name(harness):
     _delivered(harness, expected, 40)
     for lifecycle in _lifecycles(harness):
         assert lifecycle[-4:] == [PAUSE, "release_kv_cache", "resume_kv_cache", RESUME]
-    with pytest.raises(TypeError, match="config.staging is 'never'"):
+    with pytest.raises(TypeError, match=r"config\.staging is 'never'"):
         manager.stage_weights_sync(global_steps=41)
     assert harness.manager().stages_syncs()

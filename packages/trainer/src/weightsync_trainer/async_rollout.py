@@ -6,14 +6,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from weightsync_trainer.trainer import RayPPOTrainer
+from weightsync_trainer.config import ExperimentConfig
 
-__all__ = ["AsyncRollout"]
+__all__ = ["AsyncRollout", "SteppedTrainer"]
+
+
+class SteppedTrainer(Protocol):
+    """What :class:`AsyncRollout` drives (a :class:`~weightsync_trainer.RayPPOTrainer`)."""
+
+    config: ExperimentConfig
+    checkpoint_manager: Any
+
+    async def sample_batch(self, step: int) -> dict[str, torch.Tensor]:
+        """Step ``step``'s batch, with each token's log-probability and version."""
+        ...
+
+    async def train_on(self, step: int, input_ids: torch.Tensor, responses: torch.Tensor,
+                       behaviour_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+        """Update the actor on a batch; its metrics."""
+        ...
 
 
 class AsyncRollout:
@@ -36,7 +51,7 @@ class AsyncRollout:
     waited for its batch).
     """
 
-    def __init__(self, trainer: RayPPOTrainer) -> None:
+    def __init__(self, trainer: SteppedTrainer) -> None:
         self.trainer = trainer
         self.settings = trainer.config.trainer.async_rollout
         self.served = 0
@@ -66,7 +81,8 @@ class AsyncRollout:
 
     async def fit(self, on_step: Callable[[dict[str, float]], None] | None = None
                   ) -> list[dict[str, float]]:
-        """Run ``trainer.total_training_steps`` steps; as :meth:`RayPPOTrainer.fit`."""
+        """Run ``trainer.total_training_steps`` steps; as
+        :meth:`~weightsync_trainer.RayPPOTrainer.fit`."""
         trainer = self.trainer
         manager = trainer.checkpoint_manager
         if manager is None:

@@ -415,8 +415,9 @@ class CheckpointEngineManager:
             return False
         if not hasattr(self._rollout_group_class(), "stage_weights"):
             return False
-        return all(hasattr(worker, method) for replica in self.replicas
-                   for worker in replica.workers for method in _STAGING_CALLS)
+        return all(replica.workers and all(hasattr(worker, method) for worker in replica.workers
+                                           for method in _STAGING_CALLS)
+                   for replica in self.replicas)
 
     def stage_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False

@@ -1,0 +1,139 @@
+"""``weightsync-vllm-bench-stall``: what a sync costs a vLLM replica (``AsyncLLM``) that
+serves all the time. A client sends short requests one after another while syncs of a
+changing model alternate between staged (phase 1 while vLLM serves, then a ``keep`` pause
+for one reload) and stop-the-world (vLLM paused for the whole sync), on the same processes
+in one run. The client's unit is a request (the actor returns whole responses): a sync's
+stall is the longest gap between two completed requests across it, beyond the usual gap."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from typing import Any
+
+import ray
+import torch
+
+from weightsync_core import (
+    CheckpointEngineConfig,
+    CheckpointEngineManager,
+    RayRolloutReplica,
+    RayWorkerGroup,
+    ensure_ray,
+)
+from weightsync_core.bench.stall import SyncWindow, summarize_stalls
+from weightsync_vllm.bench import model_shape
+from weightsync_vllm.model_source import ModelWeightsSource, save_qwen2
+from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
+
+__all__ = ["main"]
+
+
+async def _client(rollout: Any, prompt: torch.Tensor, tokens: int, stop: asyncio.Event,
+                  done: list[float]) -> None:
+    """One request after another until ``stop``; each completion's time into ``done``."""
+    seed = 0
+    while not stop.is_set():
+        await rollout.generate.remote(prompt, tokens, seed)
+        done.append(time.monotonic())
+        seed += 1
+
+
+async def _bench(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    config = CheckpointEngineConfig(backend=args.backend, delta=args.delta,
+                                    update_weights_bucket_megabytes=64,
+                                    sync_timeout_seconds=600)
+    source: Any = ray.remote(num_cpus=0)(ModelWeightsSource).remote(config, model_path)
+    rollout: Any = ray.remote(num_cpus=0)(StagedAsyncVLLMRolloutWorker).remote(
+        config, model_path, None, temperature=1.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    await rollout.start.remote()
+    replicas = [RayRolloutReplica([rollout])]
+    actor_wg = RayWorkerGroup([source])
+    managers = {"staged": CheckpointEngineManager(config, actor_wg, replicas),
+                "stop-the-world": CheckpointEngineManager(replace(config, staging="never"),
+                                                          actor_wg, replicas)}
+    weights = await source.weights_bytes.remote()
+    await managers["staged"].update_weights(0)
+    prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    stop, done = asyncio.Event(), []
+    client = asyncio.ensure_future(_client(rollout, prompt, args.tokens, stop, done))
+    windows: list[SyncWindow] = []
+    step = 0
+    try:
+        await asyncio.sleep(args.gap_seconds)
+        for _ in range(args.syncs):
+            for mode, manager in managers.items():
+                step += 1
+                await source.perturb.remote(step, fraction=args.changed_fraction)
+                start = time.monotonic()
+                metrics = await manager.update_weights(step)
+                windows.append(SyncWindow(start, time.monotonic(), mode,
+                                          metrics.get("weightsync/pause_seconds")))
+                await asyncio.sleep(args.gap_seconds)
+    finally:
+        stop.set()
+        await client
+        await rollout.shutdown.remote()
+    summaries, usual_gap, rate = summarize_stalls([done], windows)
+    return {"bytes": weights, "backend": args.backend, "delta": args.delta,
+            "usual_gap_seconds": usual_gap, "requests_per_second_outside": rate,
+            "load": os.getloadavg()[0],
+            "modes": {mode: vars(summary) for mode, summary in summaries.items()}}
+
+
+def _table(report: dict[str, Any], tokens: int) -> str:
+    lines = [f"vLLM AsyncLLM, {report['bytes'] / 2**20:.0f} MiB of float32 weights, "
+             f"{report['backend']}{', delta' if report['delta'] else ''}; load "
+             f"{report['load']:.1f}; requests of {tokens} tokens, usual gap between two "
+             f"completions {report['usual_gap_seconds'] * 1e3:.0f} ms "
+             f"({report['requests_per_second_outside']:.1f} requests/s between syncs)",
+             "| mode | syncs | stall, median (max) | sync | pause | requests/s during syncs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    modes = report["modes"]
+    for mode, summary in modes.items():
+        pause = (f"{statistics.median(summary['pause_seconds']) * 1e3:.0f} ms"
+                 if summary["pause_seconds"] else "the whole sync")
+        during = summary["tokens_per_second_during"]
+        lines.append(
+            f"| {mode} | {summary['syncs']} | "
+            f"{statistics.median(summary['stall_seconds']) * 1e3:.0f} ms "
+            f"({max(summary['stall_seconds']) * 1e3:.0f} ms) | "
+            f"{statistics.median(summary['sync_seconds']) * 1e3:.0f} ms | {pause} | "
+            f"{during:.1f} ({during / report['requests_per_second_outside']:.0%} of between) |")
+    if {"staged", "stop-the-world"} <= set(modes):
+        staged = statistics.median(modes["staged"]["stall_seconds"])
+        stopped = statistics.median(modes["stop-the-world"]["stall_seconds"])
+        if stopped:
+            lines.append(f"staged stall / stop-the-world stall: {staged / stopped:.1%} "
+                         "(goal: at most 10%)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="weightsync-vllm-bench-stall", description=__doc__)
+    parser.add_argument("--size-mb", type=int, default=377,
+                        help="float32 weights of the Qwen2 model (default 377: 98.8M "
+                        "parameters)")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--delta", action="store_true")
+    parser.add_argument("--changed-fraction", type=float, default=1.0)
+    parser.add_argument("--syncs", type=int, default=4, help="syncs per mode (default 4)")
+    parser.add_argument("--gap-seconds", type=float, default=3.0)
+    parser.add_argument("--tokens", type=int, default=4, help="tokens per request")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    ensure_ray(num_cpus=4)
+    with tempfile.TemporaryDirectory() as directory:
+        model_path = save_qwen2(directory, **model_shape(args.size_mb))
+        report = asyncio.run(_bench(args, model_path))
+    print(_table(report, args.tokens))
+
+
+if __name__ == "__main__":
+    main()
