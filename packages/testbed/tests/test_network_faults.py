@@ -70,11 +70,14 @@ class _NetworkFaults:
             print(f"\n[{self.backend}] {fault}: {outcome}")
             assert elapsed < timeout + GRACE_SECONDS, f"{fault}: {outcome}: {error}"
             assert host in cut_off, f"{fault}: blamed host {host}, not one of {cut_off}: {error}"
-            wrote = error.stage in ("transfer", "finalize")
+            # stop-the-world, the replicas it wrote into are stale; staged, none: a failure
+            # before the switch leaves every replica serving its version
+            wrote = error.stage in ("transfer", "finalize") and not manager.stages_syncs()
             assert manager.stale_replicas == (list(replicas or harness.replicas) if wrote
                                               else []), (
-                "a failed sync lists every replica it wrote into as stale, and resumes them "
-                f"when it failed before any byte moved (it failed at {error.stage!r})")
+                "a failed sync lists every replica it wrote into as stale (stop-the-world), "
+                "and none that still serves (a staged sync, or one that failed before any "
+                f"byte moved; it failed at {error.stage!r})")
             return outcome
         elapsed = time.monotonic() - start
         _assert_delivered(harness, expected, replicas)
