@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayTaskError
 
 from weightsync_core import (
     CheckpointEngineConfig,
@@ -33,13 +34,24 @@ from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
 
 __all__ = ["main"]
 
+_RETRY_SECONDS = 0.005
+"""How soon the client sends a request again that a paused replica refused."""
+
 
 async def _client(rollout: Any, prompt: torch.Tensor, tokens: int, stop: asyncio.Event,
                   done: list[float]) -> None:
-    """One request after another until ``stop``; each completion's time into ``done``."""
+    """One request after another until ``stop``; each completion's time into ``done``. A
+    request refused because the replica is paused for a stop-the-world sync is sent again
+    (what a client does: the wait counts in the stall)."""
     seed = 0
     while not stop.is_set():
-        await rollout.generate.remote(prompt, tokens, seed)
+        try:
+            await rollout.generate.remote(prompt, tokens, seed)
+        except RayTaskError as error:
+            if "paused for a weight sync" not in str(error):
+                raise
+            await asyncio.sleep(_RETRY_SECONDS)
+            continue
         done.append(time.monotonic())
         seed += 1
 
