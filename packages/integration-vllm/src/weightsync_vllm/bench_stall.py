@@ -13,7 +13,6 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -22,12 +21,11 @@ from ray.exceptions import RayTaskError
 
 from weightsync_core import (
     CheckpointEngineConfig,
-    CheckpointEngineManager,
     RayRolloutReplica,
     RayWorkerGroup,
     ensure_ray,
 )
-from weightsync_core.bench.stall import SyncWindow, summarize_stalls
+from weightsync_core.bench.stall import alternate_syncs, staged_and_stopped, summarize_stalls
 from weightsync_vllm.bench import model_shape
 from weightsync_vllm.model_source import ModelWeightsSource, save_qwen2
 from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
@@ -65,28 +63,16 @@ async def _bench(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         config, model_path, None, temperature=1.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     await rollout.start.remote()
     replicas = [RayRolloutReplica([rollout])]
-    actor_wg = RayWorkerGroup([source])
-    managers = {"staged": CheckpointEngineManager(config, actor_wg, replicas),
-                "stop-the-world": CheckpointEngineManager(replace(config, staging="never"),
-                                                          actor_wg, replicas)}
+    managers = staged_and_stopped(config, RayWorkerGroup([source]), replicas)
     weights = await source.weights_bytes.remote()
     await managers["staged"].update_weights(0)
     prompt = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
     stop, done = asyncio.Event(), []
     client = asyncio.ensure_future(_client(rollout, prompt, args.tokens, stop, done))
-    windows: list[SyncWindow] = []
-    step = 0
     try:
-        await asyncio.sleep(args.gap_seconds)
-        for _ in range(args.syncs):
-            for mode, manager in managers.items():
-                step += 1
-                await source.perturb.remote(step, fraction=args.changed_fraction)
-                start = time.monotonic()
-                metrics = await manager.update_weights(step)
-                windows.append(SyncWindow(start, time.monotonic(), mode,
-                                          metrics.get("weightsync/pause_seconds")))
-                await asyncio.sleep(args.gap_seconds)
+        windows = await alternate_syncs(
+            managers, lambda step: source.perturb.remote(step, fraction=args.changed_fraction),
+            args.syncs, args.gap_seconds)
     finally:
         stop.set()
         await client

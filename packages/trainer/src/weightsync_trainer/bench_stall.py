@@ -13,9 +13,7 @@ import asyncio
 import json
 import os
 import statistics
-import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -24,11 +22,10 @@ import torch
 from weightsync_core import (
     ActorCheckpointEngineMixin,
     CheckpointEngineConfig,
-    CheckpointEngineManager,
     RayRolloutReplica,
     RayWorkerGroup,
 )
-from weightsync_core.bench.stall import SyncWindow, summarize_stalls
+from weightsync_core.bench.stall import alternate_syncs, staged_and_stopped, summarize_stalls
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.modeling import build_policy_model
@@ -105,28 +102,17 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     worker: Any = ray.remote(RolloutWorker).remote(config, model, 1.0, 1)
     replicas = [RayRolloutReplica([worker], name="replica-0")]
     actor_wg = RayWorkerGroup([source])
-    managers = {"staged": CheckpointEngineManager(config, actor_wg, replicas),
-                "stop-the-world": CheckpointEngineManager(replace(config, staging="never"),
-                                                          actor_wg, replicas)}
+    managers = staged_and_stopped(config, actor_wg, replicas)
     parameters = await source.parameters_count.remote()
     await managers["staged"].update_weights(global_steps=0)
     prompt = torch.randint(0, model.vocab_size, (1, args.prompt_length))
     stop, times, spans = asyncio.Event(), [], []
     client = asyncio.ensure_future(_client(worker, prompt, args.response_length, stop, times,
                                            spans))
-    windows: list[SyncWindow] = []
-    step = 0
     try:
-        await asyncio.sleep(args.gap_seconds)
-        for _ in range(args.syncs):
-            for mode, manager in managers.items():
-                step += 1
-                await source.step.remote(step, args.changed_fraction)
-                start = time.monotonic()
-                metrics = await manager.update_weights(global_steps=step)
-                windows.append(SyncWindow(start, time.monotonic(), mode,
-                                          metrics.get("weightsync/pause_seconds")))
-                await asyncio.sleep(args.gap_seconds)
+        windows = await alternate_syncs(
+            managers, lambda step: source.step.remote(step, args.changed_fraction),
+            args.syncs, args.gap_seconds)
     finally:
         stop.set()
         await client

@@ -5,12 +5,20 @@ second during syncs and between them."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-__all__ = ["StallSummary", "SyncWindow", "summarize_stalls"]
+from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica
+from weightsync_core.orchestration.manager import CheckpointEngineManager
+
+__all__ = ["StallSummary", "SyncWindow", "alternate_syncs", "staged_and_stopped",
+           "summarize_stalls"]
 
 
 @dataclass
@@ -98,3 +106,34 @@ def summarize_stalls(
         seconds = sum(w.end - w.start for w in mine)
         summary.tokens_per_second_during = tokens / seconds if seconds else 0.0
     return summaries, usual_gap, outside_rate
+
+
+def staged_and_stopped(config: CheckpointEngineConfig, actor_wg: CheckpointEngineWorkerGroup,
+                       replicas: Sequence[RolloutReplica]) -> dict[str, CheckpointEngineManager]:
+    """Two managers of the same processes: ``"staged"`` (``config`` as it is) and
+    ``"stop-the-world"`` (``staging="never"``)."""
+    return {"staged": CheckpointEngineManager(config, actor_wg, replicas),
+            "stop-the-world": CheckpointEngineManager(replace(config, staging="never"),
+                                                      actor_wg, replicas)}
+
+
+async def alternate_syncs(
+    managers: dict[str, CheckpointEngineManager], change: Callable[[int], Awaitable[Any]],
+    rounds: int, gap_seconds: float,
+) -> list[SyncWindow]:
+    """``rounds`` times, a sync by each of ``managers`` in turn (``change(step)`` first: new
+    weights on the actor side), ``gap_seconds`` apart (and before the first); each sync's
+    window, its mode the manager's key, its pause the manager's ``pause_seconds``."""
+    windows: list[SyncWindow] = []
+    step = 0
+    await asyncio.sleep(gap_seconds)
+    for _ in range(rounds):
+        for mode, manager in managers.items():
+            step += 1
+            await change(step)
+            start = time.monotonic()
+            metrics = await manager.update_weights(global_steps=step)
+            windows.append(SyncWindow(start, time.monotonic(), mode,
+                                      metrics.get("weightsync/pause_seconds")))
+            await asyncio.sleep(gap_seconds)
+    return windows
