@@ -79,6 +79,7 @@ from weightsync_core.worker import (
     CheckpointEngineWorker,
     build_engine,
     close_engine,
+    switch_paused,
 )
 
 _old_paths.install()
@@ -188,4 +189,5 @@ __all__ = [
     "new_session_key",
     "run_sync",
     "split_per_rank",
+    "switch_paused",
 ]

@@ -4,11 +4,11 @@ next version streams into a stage in its worker process, and pauses only to load
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import torch
 
+from weightsync_core import switch_paused
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 
 __all__ = ["StagedAsyncVLLMRolloutWorker"]
@@ -100,14 +100,8 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
     async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
         """Phase 2 of a replica of this one worker: pause, commit, resume (unless vLLM holds
         a mix of versions, which :meth:`generate` then refuses to serve)."""
-        start = time.perf_counter()
-        try:
-            await self.pause_generation(mode)
-            stats = await self.commit_staged()
-        finally:
-            if self.update_complete:
-                await self.resume_generation()
-        return {**stats, "paused_seconds": time.perf_counter() - start}
+        return await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                   self.resume_generation, lambda: self.update_complete)
 
     async def _take_status(self) -> None:
         """What vLLM's worker serves after a commit or a roll-back."""

@@ -13,7 +13,7 @@ from weightsync_core.worker.lifecycle import (
     close_engine,
 )
 from weightsync_core.worker.rollout import CheckpointEngineWorker
-from weightsync_core.worker.staging import StagedWeights
+from weightsync_core.worker.staging import StagedWeights, switch_paused
 
 __all__ = [
     "ActorCheckpointEngineMixin",
@@ -23,4 +23,5 @@ __all__ = [
     "built_settings",
     "check_on_this_machine",
     "close_engine",
+    "switch_paused",
 ]

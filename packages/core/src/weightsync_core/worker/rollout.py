@@ -27,7 +27,7 @@ from weightsync_core.worker.lifecycle import (
     execute_engine_method,
     written_for_verl,
 )
-from weightsync_core.worker.staging import StagedWeights, stage_weights
+from weightsync_core.worker.staging import StagedWeights, stage_weights, switch_paused
 
 __all__ = ["CheckpointEngineWorker"]
 
@@ -262,14 +262,8 @@ class CheckpointEngineWorker:
             WeightSyncError: what :meth:`commit_staged` raises (the server resumed on the
                 version it served where it was rolled back).
         """
-        start = time.perf_counter()
-        try:
-            await self.pause_generation(mode)
-            stats = await self.commit_staged()
-        finally:
-            if self.update_complete:
-                await self.resume_generation()
-        return {**stats, "paused_seconds": time.perf_counter() - start}
+        return await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                   self.resume_generation, lambda: self.update_complete)
 
     def _swap_in(self, staged: StagedWeights,
                  swap: Callable[[dict[str, torch.Tensor], int | None], dict[str, torch.Tensor]],

@@ -18,7 +18,8 @@ commit copies nothing. A delta-enabled sync keeps its own copy of the last versi
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from weightsync_core.api.engine import SyncProgress
 from weightsync_core.data.verification import ManifestGuard
 
-__all__ = ["StagedWeights", "stage_weights"]
+__all__ = ["StagedWeights", "stage_weights", "switch_paused"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -96,3 +97,21 @@ async def stage_weights(
     finally:
         progress.enter("idle")
     return staged
+
+
+async def switch_paused(
+    pause: Callable[[], Awaitable[None]], commit: Callable[[], Awaitable[dict[str, float]]],
+    resume: Callable[[], Awaitable[None]], whole: Callable[[], bool],
+) -> dict[str, float]:
+    """Phase 2 in one process: ``pause()``, ``commit()``, then ``resume()`` unless the
+    server holds a mix of versions (``whole()`` false: a failed commit that could not roll
+    back), whatever the commit raised. Returns the commit's figures and
+    ``paused_seconds``."""
+    start = time.perf_counter()
+    try:
+        await pause()
+        stats = await commit()
+    finally:
+        if whole():
+            await resume()
+    return {**stats, "paused_seconds": time.perf_counter() - start}
