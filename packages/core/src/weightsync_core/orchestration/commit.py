@@ -76,6 +76,9 @@ async def commit_replica(
     if outcome.serving:
         await asyncio.wait_for(resume(replica), timeout_seconds)
     outcome.paused_seconds = time.monotonic() - start
+    if not outcome.failures:  # every worker took its stage: no roll-back needs the old one
+        await asyncio.gather(*(_awaited(worker.forget_replaced.remote()) for worker in workers
+                               if hasattr(worker, "forget_replaced")), return_exceptions=True)
     return outcome
 
 

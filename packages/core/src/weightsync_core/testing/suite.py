@@ -801,13 +801,13 @@ class CheckpointEngineConformanceTests(_ConformanceBase):
         ray.get([actor.set_uniform_weights.remote(256 << 10, 8) for actor in harness.actors])
         manager = harness.manager()
         manager.update_weights_sync(global_steps=0, allow_manifest_change=True)
-        for step in range(1, 11):  # warm-up: buffers, connections, caches
+        for step in range(1, 21):  # warm-up: buffers, connections, caches, staged copies
             manager.update_weights_sync(global_steps=step)
         before = ray.get([worker.resources.remote() for worker in workers])
         start = time.monotonic()
         syncs = by_profile(default=min(self.soak_syncs, DEFAULT_SOAK_SYNCS),
                            long=self.soak_syncs)
-        for step in range(11, 11 + syncs):
+        for step in range(21, 21 + syncs):
             manager.update_weights_sync(global_steps=step)
         seconds = time.monotonic() - start
         after = ray.get([worker.resources.remote() for worker in workers])

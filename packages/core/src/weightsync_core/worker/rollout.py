@@ -262,8 +262,15 @@ class CheckpointEngineWorker:
             WeightSyncError: what :meth:`commit_staged` raises (the server resumed on the
                 version it served where it was rolled back).
         """
-        return await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
-                                   self.resume_generation, lambda: self.update_complete)
+        stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                    self.resume_generation, lambda: self.update_complete)
+        self.forget_replaced()  # no other worker of its replica can fail: nothing to undo
+        return stats
+
+    def forget_replaced(self) -> None:
+        """Drop the copy of the version the last commit replaced: every worker of the
+        replica took its stage (the manager says so), so no roll-back will need it."""
+        self.replaced_copy = None
 
     def _swap_in(self, staged: StagedWeights,
                  swap: Callable[[dict[str, torch.Tensor], int | None], dict[str, torch.Tensor]],
