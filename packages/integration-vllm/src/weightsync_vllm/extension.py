@@ -48,6 +48,10 @@ class WeightsyncWorkerExtension:
         """Drop the stage."""
         self._weightsync_engine().discard_staged()
 
+    def weightsync_forget_replaced(self) -> None:
+        """Drop the copy of the version the last commit replaced."""
+        self._weightsync_engine().forget_replaced()
+
     def weightsync_weights_status(self) -> dict[str, Any]:
         """What this worker serves, has staged and could roll back to."""
         return self._weightsync_engine().weights_status()

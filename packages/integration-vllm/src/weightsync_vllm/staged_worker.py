@@ -38,8 +38,8 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
     request reuses a prefix cached under other weights (the cache is never cleared).
 
     vLLM's worker keeps, besides the model: the stage (M, host, until the commit), a copy of
-    the version served (M, from the first staged commit on) and of the one before (M, until
-    the next stage), M being the model in the sync's rollout dtype. One vLLM worker
+    the version served (M, from the first staged commit on) and of the one before (M, during
+    the switch only), M being the model in the sync's rollout dtype. One vLLM worker
     (``tensor_parallel_size=1``); tensor-parallel engines take stop-the-world syncs.
     """
 
@@ -100,8 +100,15 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
     async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
         """Phase 2 of a replica of this one worker: pause, commit, resume (unless vLLM holds
         a mix of versions, which :meth:`generate` then refuses to serve)."""
-        return await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
-                                   self.resume_generation, lambda: self.update_complete)
+        stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                    self.resume_generation, lambda: self.update_complete)
+        await self.forget_replaced()  # no other worker of its replica can fail
+        return stats
+
+    async def forget_replaced(self) -> None:
+        """Drop vLLM's worker's copy of the version the last commit replaced (every worker of
+        the replica took its stage)."""
+        await self._rpc("weightsync_forget_replaced")
 
     async def _take_status(self) -> None:
         """What vLLM's worker serves after a commit or a roll-back."""

@@ -361,6 +361,13 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
         self._loop.run(discard(), _STAGE_MARGIN_SECONDS)
 
+    def forget_replaced(self) -> None:
+        """Drop the copy of the version the last commit replaced."""
+        async def forget() -> None:
+            self.worker.forget_replaced()
+
+        self._loop.run(forget(), _STAGE_MARGIN_SECONDS)
+
     def weights_status(self) -> dict[str, Any]:
         """The weightsync worker's :meth:`CheckpointEngineWorker.weights_status`."""
         async def status() -> dict[str, Any]:

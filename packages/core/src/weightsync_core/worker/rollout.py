@@ -83,7 +83,8 @@ class CheckpointEngineWorker:
         """A private copy of the version the server serves, from the last staged commit
         (None before one, and after a sync loaded as it arrived)."""
         self.replaced_copy: StagedWeights | None = None
-        """The copy of the version the last staged commit replaced, until the next stage
+        """The copy of the version the last staged commit replaced, until every worker of the
+        replica took its stage (:meth:`forget_replaced`) or the next stage
         (:meth:`roll_back_commit`: another worker of the replica failed to take its stage)."""
 
     def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:

@@ -3,14 +3,15 @@ kept apart from the inference server while it serves its current version (phase 
 handed to the server in one step (phase 2), with a private copy of the version it served
 to roll back to where that step fails.
 
-Memory, in bytes of the model in its rollout dtype (M; a sharded worker's share where it
-receives slices): a stage holds M from the end of phase 1 until it is committed or
-discarded; the copy of the version the server serves (to roll back to) M from the first
-commit on; the copy of the version the last commit replaced (to roll a replica back when
-another of its workers failed) M until the next stage begins: a worker holds 2M at most. A
-server that swaps the stage in (its adapter's ``swap_weights``: the trainer's Hugging Face
-replicas) serves the stage's own tensors, and its old ones are the copy to roll back to:
-M beyond the server's own from the end of phase 1 until the next stage begins, and the
+Memory, in bytes of the model in its rollout dtype (M; a sharded worker's share): a stage
+holds M from the end of phase 1 until it is committed or discarded. A server that loads the
+stage (its adapter's ``update_weights``) gets a copy of it, and the worker keeps the stage as
+the copy of the version served, to roll a later failed commit back to: M from the first
+commit on. The copy of the version a commit replaced is kept until every worker of the
+replica took its stage (then dropped: ``forget_replaced``): 2M at most during a commit, M
+after it. A server that swaps the stage in (its adapter's ``swap_weights``: the trainer's
+Hugging Face replicas) serves the stage's own tensors, and its old ones are kept only until
+the replica's commit is known: M during phase 1 and the commit, nothing after, and the
 commit copies nothing. A delta-enabled sync keeps its own copy of the last version besides
 (:class:`~weightsync_core.data.delta.DeltaReceiver`).
 """
