@@ -42,7 +42,8 @@ def deployment():
         ray.kill(handle)
 
 
-async def _generating_while(worker: Any, syncs) -> list[dict[str, Any]]:
+async def _generating_while(worker: Any, syncs, prompt: torch.Tensor = PROMPT,
+                            tokens: int = 12) -> list[dict[str, Any]]:
     """Keep ``worker`` generating (one request after another) while ``syncs()`` runs."""
     samples: list[dict[str, Any]] = []
     done = asyncio.Event()
@@ -50,7 +51,7 @@ async def _generating_while(worker: Any, syncs) -> list[dict[str, Any]]:
     async def client() -> None:
         seed = 0
         while not done.is_set():
-            samples.append(await worker.generate_sample.remote(PROMPT, 12, seed))
+            samples.append(await worker.generate_sample.remote(prompt, tokens, seed))
             seed += 1
 
     task = asyncio.ensure_future(client())
@@ -152,25 +153,7 @@ def test_a_sender_killed_mid_stage_leaves_the_client_served_and_the_next_sync_ex
                 errors.append(error)
             await asyncio.sleep(0.2)
 
-        async def generating() -> list[dict[str, Any]]:
-            samples: list[dict[str, Any]] = []
-            done = asyncio.Event()
-
-            async def client() -> None:
-                seed = 0
-                while not done.is_set():
-                    samples.append(await worker.generate_sample.remote(prompt, 4, seed))
-                    seed += 1
-
-            task = asyncio.ensure_future(client())
-            try:
-                await killed_sync()
-            finally:
-                done.set()
-                await task
-            return samples
-
-        samples = asyncio.run(generating())
+        samples = asyncio.run(_generating_while(worker, killed_sync, prompt, 4))
         assert errors, "the sender was not killed before the sync ended"
         assert "actor_wg rank 0" in str(errors[0]) and "Nothing was committed" in str(errors[0])
         assert samples and all(set(sample["versions"]) == {0} for sample in samples)
