@@ -159,3 +159,43 @@ def test_staging_never_is_stop_the_world_and_refuses_a_stage_by_name(harness):
     with pytest.raises(TypeError, match=r"config\.staging is 'never'"):
         manager.stage_weights_sync(global_steps=41)
     assert harness.manager().stages_syncs()
+
+
+def test_commit_each_switches_replicas_whose_stage_completed_and_together_none(harness):
+    """A worker of replica 1 refuses its last staged tensor. ``commit="together"`` (the
+    default) switches no replica; ``commit="each"`` switches replica 0, whose stage had
+    completed, and leaves replica 1 serving its version, not paused."""
+    together, each = harness.manager(), harness.manager(commit="each")
+    previous = _staged_sync(together, harness, 50)
+    refusing = harness.replicas[1].workers[1]
+    for manager, step in ((together, 51), (each, 52)):
+        before = _lifecycles(harness)
+        expected = harness.set_weights(seed=step)
+        ray.get(refusing.set_faults.remote(refuse_stage_after=len(expected) - 1))
+        with pytest.raises(SyncStageError, match=r"refused staged tensor") as info:
+            manager.update_weights_sync(global_steps=step)
+        assert info.value.stage == "transfer"
+        assert manager.stale_replicas == []
+        lifecycles = _lifecycles(harness)
+        assert lifecycles[1:] == before[1:], "replica 1 was paused by a failed stage"
+        statuses = _statuses(harness)
+        assert all(status["complete"] and status["staged_version"] is None
+                   for status in statuses)
+        reports = harness.reports()
+        assert reports[1]["received"] == reports[2]["received"] == previous
+        if manager is together:
+            assert "Nothing was committed" in str(info.value)
+            assert [status["version"] for status in statuses] == [50, 50, 50]
+            assert lifecycles[0] == before[0]
+        else:
+            assert ("Committed as their stages completed (commit='each'), before the "
+                    "failure: took the update: ['replica 0']") in str(info.value)
+            assert [status["version"] for status in statuses] == [step, 50, 50]
+            assert reports[0]["received"] == expected
+            assert lifecycles[0][len(before[0]):] == [PAUSE, RESUME]
+    expected = harness.set_weights(seed=53)  # the next sync, each replica as it is ready
+    metrics = each.update_weights_sync(global_steps=53)
+    _delivered(harness, expected, 53)
+    assert metrics["weightsync/staged"] == 1.0
+    assert metrics["weightsync/replicas_committed"] == 2
+    assert 0 <= metrics["weightsync/seconds/commit"] <= metrics["weightsync/seconds/total"]

@@ -131,6 +131,15 @@ class CheckpointEngineConfig:
             span two versions, which the server reports), ``"drain"`` (they finish on the
             old weights first; new requests wait) or ``"abort"`` (they end at once). A server
             without ``pause_generation`` is paused with ``abort_all_requests``.
+        commit: when ``update_weights`` switches the replicas of a staged sync.
+            ``"together"`` (default): none switches until every replica of the sync holds a
+            complete, checked stage; a failure before the switch leaves the whole fleet on
+            the version it served (one version per sync across the fleet, which the
+            asynchronous trainer's staleness bound counts on). ``"each"``: a replica
+            switches as soon as every worker of it holds its stage, while the transfer to
+            the others goes on; after a failure, the replicas whose stages completed serve
+            the new version and the others the one they served (fresher, not uniform).
+            Callers of ``stage_weights``/``commit_weights`` schedule the switch themselves.
     """
 
     backend: Annotated[str, Meta(min_length=1, description="a non-empty string")] = "naive"
@@ -153,6 +162,7 @@ class CheckpointEngineConfig:
         "never)")] = 0
     staging: Literal["auto", "never"] = "auto"
     pause_mode: Literal["keep", "drain", "abort"] = "keep"
+    commit: Literal["together", "each"] = "together"
 
     def __post_init__(self) -> None:
         from weightsync_core.api.plugins import trusted_module_prefixes
@@ -274,8 +284,9 @@ class CheckpointEngineConfig:
 
         Not compared: ``delta`` and ``full_verify_every`` (the manager alone decides each
         sync's delta plan and hands it to every process; a process never reads its own),
-        ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync), ``staging``
-        and ``pause_mode`` (the manager alone decides each sync's phases and pauses),
+        ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync), ``staging``,
+        ``pause_mode`` and ``commit`` (the manager alone decides each sync's phases and
+        pauses),
         ``custom_backend_module`` (how the backend is found; the backend is compared) and
         every other engine option (see :data:`TRAVEL_OPTIONS`).
 

@@ -32,6 +32,7 @@ from weightsync_core.orchestration.blame import (
     settings_mismatch,
 )
 from weightsync_core.orchestration.commit import ReplicaCommit, commit_replica
+from weightsync_core.orchestration.commit_as_staged import CommitsAsStaged
 from weightsync_core.orchestration.delta_ledger import DeltaLedger
 from weightsync_core.orchestration.ray_group import RayWorkerGroup
 from weightsync_core.orchestration.replica_status import replica_status, worker_status
@@ -185,6 +186,18 @@ class _Round:
         return self.plan is not None and self.plan.is_delta
 
 
+@dataclass
+class _CommitTally:
+    """How the commits of a staged sync ended: the names of the replicas that took the
+    update, of those rolled back (serving the version they served) and of those left paused
+    with a mix of versions, and the first failure (worker or replica name, error)."""
+
+    took: list[str]
+    rolled_back: list[str]
+    stale: list[str]
+    first: tuple[str, BaseException] | None
+
+
 class CheckpointEngineManager:
     """Coordinates weight syncs between ``actor_wg`` and a set of rollout replicas.
 
@@ -246,6 +259,9 @@ class CheckpointEngineManager:
         self._staged: list[RolloutReplica] = []
         """The replicas whose workers hold the stage of the last :meth:`stage_weights`, until
         it is committed or discarded."""
+        self._commits_as_staged: CommitsAsStaged | None = None
+        """During an :meth:`update_weights` with ``config.commit="each"``: the commits it
+        starts as each replica's stage completes."""
         self.add_replicas(replicas)
 
     @property
@@ -400,11 +416,51 @@ class CheckpointEngineManager:
             metrics = await self._sync(list(self.replicas), global_steps, False,
                                        allow_manifest_change)
             return {**metrics, "weightsync/staged": 0.0}
+        if self.config.commit == "each":
+            return await self._stage_and_commit_each(global_steps, allow_manifest_change)
         metrics = await self._stage_weights(global_steps, allow_manifest_change)
         commit = await self._commit_weights()
         metrics.update(commit)
         metrics["weightsync/seconds/total"] += commit["weightsync/seconds/commit"]
         return {**metrics, "weightsync/staged": 1.0}
+
+    async def _stage_and_commit_each(
+        self, global_steps: int | None, allow_manifest_change: bool
+    ) -> dict[str, float]:
+        """A staged sync with ``config.commit="each"``: each replica commits as soon as its
+        stage is complete (:class:`CommitsAsStaged`), while the transfer goes on."""
+        commits = self._commits_as_staged = CommitsAsStaged(self._commit_replica)
+        try:
+            metrics = await self._stage_weights(global_steps, allow_manifest_change)
+        except SyncStageError as error:
+            await commits.close(0.0)  # closed by the stage's recovery; no new commits
+            error.args = (f"{error.args[0]}{await self._early_commits(commits)}",)
+            raise
+        finally:
+            self._commits_as_staged = None
+        staged_end = time.monotonic()
+        await commits.close(self.config.sync_timeout_seconds)
+        self._staged, replicas = [], self._staged
+        late = [replica for replica in replicas if not commits.committing(replica)]
+        outcomes = {id(replica): outcome for replica, outcome in await commits.outcomes()}
+        outcomes.update(zip(map(id, late), await asyncio.gather(
+            *map(self._commit_replica, late), return_exceptions=True), strict=True))
+        commit = self._commit_result(replicas, [outcomes[id(r)] for r in replicas], staged_end)
+        metrics.update(commit)
+        metrics["weightsync/seconds/total"] += commit["weightsync/seconds/commit"]
+        return {**metrics, "weightsync/staged": 1.0}
+
+    async def _early_commits(self, commits: CommitsAsStaged) -> str:
+        """After a failed phase 1 with ``commit="each"``: what the replicas committed before
+        the failure did, for the sync's error (empty where none was)."""
+        started = await commits.outcomes()
+        if not started:
+            return ""
+        replicas = [replica for replica, _ in started]
+        tally = self._record_commits(replicas, [outcome for _, outcome in started])
+        return (" Committed as their stages completed (commit='each'), before the failure: "
+                f"took the update: {tally.took or 'none'}; rolled back and serving: "
+                f"{tally.rolled_back or 'none'}; stale: {tally.stale or 'none'}.")
 
     def stages_syncs(self) -> bool:
         """Whether :meth:`update_weights` runs in two phases (:meth:`stage_weights`, then
@@ -490,18 +546,25 @@ class CheckpointEngineManager:
             raise WeightSyncError("nothing is staged to commit: call stage_weights first (a "
                                   "failed or discarded stage leaves nothing staged)")
         start = time.monotonic()
-        timeout = self.config.sync_timeout_seconds
-        outcomes = await asyncio.gather(*(
-            commit_replica(replica, self._worker_names(replica), timeout,
-                           self._pause_for_switch, lambda r: r.resume_generation(),
-                           self.config.pause_mode)
-            for replica in replicas), return_exceptions=True)
-        whole = [outcome.replica for outcome in outcomes
-                 if isinstance(outcome, ReplicaCommit) and not outcome.failures]
-        self.stale_replicas = [stale for stale in self.stale_replicas
-                               if not any(stale is replica for replica in whole)]
-        if len(whole) < len(replicas):
-            raise self._commit_error(replicas, outcomes)
+        outcomes = await asyncio.gather(*map(self._commit_replica, replicas),
+                                        return_exceptions=True)
+        return self._commit_result(replicas, outcomes, start)
+
+    async def _commit_replica(self, replica: RolloutReplica) -> ReplicaCommit:
+        """Phase 2 on one replica (:func:`commit_replica`), paused as ``config.pause_mode``
+        says."""
+        return await commit_replica(replica, self._worker_names(replica),
+                                    self.config.sync_timeout_seconds, self._pause_for_switch,
+                                    lambda r: r.resume_generation(), self.config.pause_mode)
+
+    def _commit_result(self, replicas: list[RolloutReplica],
+                       outcomes: list[ReplicaCommit | BaseException], start: float
+                       ) -> dict[str, float]:
+        """The metrics of the commits of ``replicas`` (their ``outcomes``), which ended now
+        and started at ``start``; raises the commit's error where one failed."""
+        tally = self._record_commits(replicas, outcomes)
+        if len(tally.took) < len(replicas):
+            raise self._commit_error(tally)
         return {"weightsync/seconds/commit": time.monotonic() - start,
                 "weightsync/pause_seconds": max(outcome.paused_seconds for outcome in outcomes
                                                 if isinstance(outcome, ReplicaCommit)),
@@ -559,10 +622,12 @@ class CheckpointEngineManager:
         else:
             await pause(mode=self.config.pause_mode)
 
-    def _commit_error(self, replicas: list[RolloutReplica],
-                      outcomes: list[ReplicaCommit | BaseException]) -> SyncStageError:
-        """The error of a commit where some replica failed; marks the replicas that stay
-        paused with a mix of versions stale."""
+    def _record_commits(
+        self, replicas: list[RolloutReplica], outcomes: list[ReplicaCommit | BaseException]
+    ) -> _CommitTally:
+        """Sort the commits of ``replicas`` by their ``outcomes`` (:class:`_CommitTally`);
+        the replicas left paused with a mix of versions are marked stale, and those that
+        took the update are no longer."""
         took, rolled_back, stale = [], [], []
         first: tuple[str, BaseException] | None = None
         for index, (replica, outcome) in enumerate(zip(replicas, outcomes, strict=True)):
@@ -570,25 +635,28 @@ class CheckpointEngineManager:
             if isinstance(outcome, BaseException):  # its pause or resume failed
                 first = first or (name, outcome)
                 stale.append(replica)
-                continue
-            if not outcome.failures:
-                took.append(name)
-                continue
-            first = first or outcome.failures[0]
-            if outcome.serving:
-                rolled_back.append(name)
+            elif not outcome.failures:
+                took.append(replica)
             else:
-                stale.append(replica)
+                first = first or outcome.failures[0]
+                (rolled_back if outcome.serving else stale).append(replica)
+        self.stale_replicas = [known for known in self.stale_replicas
+                               if not any(known is replica for replica in took)]
         self.stale_replicas += [r for r in stale
                                 if not any(r is known for known in self.stale_replicas)]
-        culprit, cause = first or ("", RuntimeError("unknown"))
-        stale_names = [self._replica_name(r, replicas.index(r)) for r in stale]
+        def names(group: list[RolloutReplica]) -> list[str]:
+            return [self._replica_name(r, replicas.index(r)) for r in group]
+        return _CommitTally(names(took), names(rolled_back), names(stale), first)
+
+    def _commit_error(self, tally: _CommitTally) -> SyncStageError:
+        """The error of a commit where some replica failed."""
+        culprit, cause = tally.first or ("", RuntimeError("unknown"))
         return SyncStageError(
             f"weight sync ({self.backend}) failed at stage 'commit': {culprit}: "
-            f"{describe_exception(cause)}. Took the update: {took or 'none'}; rolled back "
-            f"to the version they served, and serving: {rolled_back or 'none'}; left paused "
-            f"with a mix of versions (see manager.stale_replicas): {stale_names or 'none'}.",
-            stage="commit", worker=culprit or None)
+            f"{describe_exception(cause)}. Took the update: {tally.took or 'none'}; rolled "
+            f"back to the version they served, and serving: {tally.rolled_back or 'none'}; "
+            "left paused with a mix of versions (see manager.stale_replicas): "
+            f"{tally.stale or 'none'}.", stage="commit", worker=culprit or None)
 
     def discard_staged_weights_sync(self) -> None:
         """:meth:`discard_staged_weights` for synchronous callers."""
@@ -607,14 +675,25 @@ class CheckpointEngineManager:
     async def _recover_stage(self, error: SyncStageError, replicas: list[RolloutReplica]
                              ) -> None:
         """After a failed :meth:`stage_weights`: abort every engine of the sync, and have
-        every worker drop what it staged; no replica was paused or changed."""
-        workers = [worker for replica in replicas for worker in replica.workers]
+        every worker drop what it staged; no replica was paused or changed (but those that
+        ``commit="each"`` committed as their stages completed: they keep theirs)."""
+        every = [worker for replica in replicas for worker in replica.workers]
+        commits = self._commits_as_staged
+        if commits is not None:
+            await commits.close(_CLEANUP_GRACE_SECONDS)
+        discarding = [replica for replica in replicas
+                if commits is None or not commits.committing(replica)]
         cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
-                   *_abort_calls(lambda: self.rollout_group(workers), "the rollout workers"),
-                   *(worker.discard_staged.remote() for worker in workers)]
+                   *_abort_calls(lambda: self.rollout_group(every), "the rollout workers"),
+                   *(worker.discard_staged.remote() for replica in discarding
+                     for worker in replica.workers)]
         await self._finish_cleanup(cleanup)
-        error.args = (f"{error.args[0]}. Nothing was committed: every replica serves the "
-                      "version it served, not paused; the stages were discarded.",)
+        if len(discarding) == len(replicas):
+            error.args = (f"{error.args[0]}. Nothing was committed: every replica serves the "
+                          "version it served, not paused; the stages were discarded.",)
+        else:
+            error.args = (f"{error.args[0]}. Every replica not committed below serves the "
+                          "version it served, not paused; their stages were discarded.",)
 
     def update_replicas_from_cache_sync(
         self, replicas: Iterable[RolloutReplica], global_steps: int | None = None
@@ -839,9 +918,10 @@ class CheckpointEngineManager:
             results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
             sent, loaded = results[:1], results
         else:
-            results = await stages.run(
-                "transfer", processes.send_calls(global_steps, options, staged), progress
-            )
+            calls = processes.send_calls(global_steps, options, staged)
+            if self._commits_as_staged is not None:
+                calls = self._commits_as_staged.watching(calls, layout.actor_ranks, replicas)
+            results = await stages.run("transfer", calls, progress)
             sent, loaded = results[: layout.actor_ranks], results[layout.actor_ranks:]
         await stages.run("finalize", processes.engine_calls("finalize"), progress)
         return sent, loaded

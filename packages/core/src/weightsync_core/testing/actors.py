@@ -94,7 +94,8 @@ class RecordingServerAdapter:
 
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
     forever (simulating a crashed or hung inference server). ``refuse_after``: after that
-    many tensors, raise once (a server that refuses one load, and takes the next).
+    many tensors, raise once (a server that refuses one load, and takes the next);
+    ``refuse_stage_after``: the same in :meth:`check_staged_weight` (a stage refused).
     ``delay_per_tensor``: seconds to spend on each tensor (a slow server). These act where
     the tensors arrive: in ``update_weights``, and, in a staged sync, in
     :meth:`check_staged_weight` as they are staged (``refuse_after`` only in the load: the
@@ -113,6 +114,7 @@ class RecordingServerAdapter:
         self.die_after: int | None = None
         self.stall_after: int | None = None
         self.refuse_after: int | None = None
+        self.refuse_stage_after: int | None = None
         self.staged_count = 0
         """Tensors staged so far in the current stage."""
         self.delay_per_tensor = 0.0
@@ -137,6 +139,9 @@ class RecordingServerAdapter:
 
     async def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
         """A staged tensor arrives: the faults of arrival act here (see the class)."""
+        if self.refuse_stage_after is not None and self.staged_count >= self.refuse_stage_after:
+            self.refuse_stage_after = None
+            raise ValueError(f"the server refused staged tensor {name!r}")
         await self._arrival_faults(self.staged_count)
         self.staged_count += 1
 
@@ -197,15 +202,18 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         delay_per_tensor: float = 0.0,
         convert: bool = False,
         refuse_after: int | None = None,
+        refuse_stage_after: int | None = None,
     ) -> None:
         """Make the server die or stall after that many tensors (``None``: behave), refuse
-        its next load after ``refuse_after`` tensors, take ``delay_per_tensor`` seconds per
+        its next load after ``refuse_after`` tensors (its next stage after
+        ``refuse_stage_after``), take ``delay_per_tensor`` seconds per
         tensor, skip digests (``discard``), keep every tensor until the update ends
         (``keep``), or change each in place as it loads it (``convert``)."""
         adapter = self._recorder()
         adapter.die_after = die_after
         adapter.stall_after = stall_after
         adapter.refuse_after = refuse_after
+        adapter.refuse_stage_after = refuse_stage_after
         adapter.delay_per_tensor = delay_per_tensor
         adapter.discard = discard
         adapter.keep = keep
