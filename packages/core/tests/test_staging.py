@@ -33,6 +33,18 @@ class _Server:
         self.params = {name: tensor.clone() for name, tensor in weights.items()}
         self.refuse: tuple[int, str] | None = None
         self.loads: list[int | None] = []
+        self.stall: str | None = None
+        """``"pause"`` or ``"load"``: hang there (a server that never pauses, or, once, a
+        load that never finishes)."""
+        self.lifecycle: list[str] = []
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        self.lifecycle.append("pause")
+        if self.stall == "pause":
+            await asyncio.sleep(3600)
+
+    async def resume_generation(self) -> None:
+        self.lifecycle.append("resume")
 
     def patchable_weights(self) -> dict[str, torch.Tensor]:
         return self.params
@@ -40,6 +52,9 @@ class _Server:
     async def update_weights(self, weights: AsyncIterator[tuple[str, torch.Tensor]],
                              global_steps: int | None = None) -> None:
         async for name, tensor in weights:
+            if self.stall == "load" and name == "layer.bias":  # two tensors loaded
+                self.stall = None  # once: the roll-back loads
+                await asyncio.sleep(3600)
             if self.refuse == (global_steps, name):
                 raise ValueError(f"the model has no room for {name!r}")
             if tensor.data_ptr() != self.params[name].data_ptr():
@@ -215,3 +230,25 @@ def test_a_failed_commit_of_a_delta_drops_the_delta_copy_so_the_next_sync_is_ful
         sync.commit()
     assert sync.server.holds(_weights(1))
     assert sync.worker.weights_status()["delta_version"] is None
+
+
+@pytest.mark.parametrize("stall", ["pause", "load"])
+def test_a_switch_past_its_deadline_is_given_up_and_the_server_resumes_on_its_version(stall):
+    sync = _Sync(_weights(0))
+    sync.stage(_weights(1), 1)
+    sync.commit()
+    sync.stage(_weights(2), 2)
+    sync.server.stall = stall
+    doing = {"pause": "pausing the server", "load": "committing the stage"}[stall]
+    with pytest.raises(WeightSyncError, match=rf"did not finish within 0.3 s .* given up "
+                       rf"while {doing}: the stage was not committed, and the server serves "
+                       "the version it served"):
+        asyncio.run(sync.worker.switch_to_staged("keep", timeout_seconds=0.3))
+    assert sync.server.lifecycle == ["pause", "resume"]
+    assert sync.server.holds(_weights(1))
+    status = sync.worker.weights_status()
+    assert (status["version"], status["complete"], status["staged_version"]) == (1, True, None)
+    sync.server.stall = None
+    sync.stage(_weights(3), 3)  # the next sync proceeds normally
+    asyncio.run(sync.worker.switch_to_staged("keep", timeout_seconds=5))
+    assert sync.server.holds(_weights(3))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core import switch_paused
+from weightsync_core import WeightSyncError, switch_paused
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 
 __all__ = ["StagedAsyncVLLMRolloutWorker"]
@@ -97,11 +97,18 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         await self._rpc("weightsync_discard_staged")
         self.staged_version = None
 
-    async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
+    async def switch_to_staged(self, mode: str = "keep", timeout_seconds: float | None = None
+                               ) -> dict[str, float]:
         """Phase 2 of a replica of this one worker: pause, commit, resume (unless vLLM holds
-        a mix of versions, which :meth:`generate` then refuses to serve)."""
-        stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
-                                    self.resume_generation, lambda: self.update_complete)
+        a mix of versions, which :meth:`generate` then refuses to serve); the pause and the
+        commit may take ``timeout_seconds`` together (``weightsync_core.switch_paused``)."""
+        try:
+            stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                        self.resume_generation, lambda: self.update_complete,
+                                        timeout_seconds)
+        except WeightSyncError:
+            await self.discard_staged()  # given up before the commit took it
+            raise
         await self.forget_replaced()  # no other worker of its replica can fail
         return stats
 

@@ -16,6 +16,9 @@ from weightsync_core.orchestration.replica_status import worker_status
 
 __all__ = ["ReplicaCommit", "commit_replica"]
 
+_SWITCH_REPORT_SECONDS = 5.0
+"""How long past the deadline a one-worker switch may take to report that it gave up."""
+
 
 @dataclass
 class ReplicaCommit:
@@ -90,8 +93,11 @@ async def _switch_alone(outcome: ReplicaCommit, worker: Any, name: str, timeout_
                         mode: str) -> ReplicaCommit:
     """:func:`commit_replica` of a replica of one worker: one ``switch_to_staged`` call."""
     try:
-        result = await asyncio.wait_for(_awaited(worker.switch_to_staged.remote(mode)),
-                                        timeout_seconds)
+        # the worker gives its switch up at the deadline itself (and resumes on its version);
+        # the extra seconds let it say so before this call is abandoned
+        result = await asyncio.wait_for(
+            _awaited(worker.switch_to_staged.remote(mode, timeout_seconds)),
+            timeout_seconds + _SWITCH_REPORT_SECONDS)
         outcome.paused_seconds = float(result["paused_seconds"])
     except Exception as error:
         outcome.failures = [(name, error)]

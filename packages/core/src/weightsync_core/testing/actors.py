@@ -35,6 +35,7 @@ __all__ = [
     "RecordingRolloutWorker",
     "RecordingServerAdapter",
     "WeightSourceActor",
+    "corrupt_bucket_checksum",
     "lie_in_prepare",
 ]
 
@@ -63,6 +64,22 @@ def lie_in_prepare(
         return {**{k: v for k, v in metadata.items() if k not in drop}, **(update or {})}
 
     engine.prepare = prepare
+
+
+def corrupt_bucket_checksum(engine: Any, bucket: int | None) -> None:
+    """From now on, have ``engine`` (a sending engine) announce a wrong checksum for the
+    ``bucket``-th bucket it packs (its bytes and its checksum disagree, as after corruption
+    in memory or on the wire); ``None`` restores the engine's own checksum."""
+    vars(engine).pop("bucket_checksum", None)
+    if bucket is None:
+        return
+    true_checksum, calls = engine.bucket_checksum, itertools.count()
+
+    def corrupted(data: Any) -> int:
+        value = true_checksum(data)
+        return value ^ 1 if next(calls) == bucket else value
+
+    engine.bucket_checksum = corrupted
 
 
 class _ProcessHooks:
@@ -320,19 +337,8 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
 
     def corrupt_checksum(self, bucket: int | None) -> None:
         """From now on, announce a wrong checksum for the ``bucket``-th bucket this rank
-        packs (its bytes and its checksum disagree, as after corruption in memory or on the
-        wire); ``None`` restores the engine's own checksum."""
-        engine = self.checkpoint_engine
-        vars(engine).pop("bucket_checksum", None)
-        if bucket is None:
-            return
-        true_checksum, calls = engine.bucket_checksum, itertools.count()
-
-        def corrupted(data):
-            value = true_checksum(data)
-            return value ^ 1 if next(calls) == bucket else value
-
-        engine.bucket_checksum = corrupted
+        packs (:func:`corrupt_bucket_checksum`); ``None`` restores the engine's own."""
+        corrupt_bucket_checksum(self.checkpoint_engine, bucket)
 
     def report(self) -> dict[str, Any]:
         """What the colocated server received (colocated engines only)."""

@@ -252,19 +252,27 @@ class CheckpointEngineWorker:
         self.rollback_copy, self.replaced_copy = staged, previous
         return stats
 
-    async def switch_to_staged(self, mode: str = "keep") -> dict[str, float]:
+    async def switch_to_staged(self, mode: str = "keep", timeout_seconds: float | None = None
+                               ) -> dict[str, float]:
         """Phase 2 for a replica of this one worker, in one call: pause the server
         (:meth:`pause_generation`), commit the stage (:meth:`commit_staged`: rolled back
         where the server fails to take it), and resume it unless it holds a mix of
         versions; the pause covers only this process's own work. Returns the commit's stats
-        and ``paused_seconds``.
+        and ``paused_seconds``. ``timeout_seconds``: the pause and the commit may take that
+        long together (:func:`~weightsync_core.worker.staging.switch_paused`).
 
         Raises:
             WeightSyncError: what :meth:`commit_staged` raises (the server resumed on the
-                version it served where it was rolled back).
+                version it served where it was rolled back), or the switch ran past
+                ``timeout_seconds`` (given up, the server resumed on its version).
         """
-        stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
-                                    self.resume_generation, lambda: self.update_complete)
+        try:
+            stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+                                        self.resume_generation, lambda: self.update_complete,
+                                        timeout_seconds)
+        except WeightSyncError:
+            self.discard_staged()  # given up before the commit took it: the sync failed
+            raise
         self.forget_replaced()  # no other worker of its replica can fail: nothing to undo
         return stats
 

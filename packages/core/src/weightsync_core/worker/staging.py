@@ -18,6 +18,7 @@ commit copies nothing. A delta-enabled sync keeps its own copy of the last versi
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from weightsync_core.api.engine import SyncProgress
+from weightsync_core.api.errors import WeightSyncError
 from weightsync_core.data.verification import ManifestGuard
 
 __all__ = ["StagedWeights", "stage_weights", "switch_paused"]
@@ -103,15 +105,36 @@ async def stage_weights(
 async def switch_paused(
     pause: Callable[[], Awaitable[None]], commit: Callable[[], Awaitable[dict[str, float]]],
     resume: Callable[[], Awaitable[None]], whole: Callable[[], bool],
+    timeout_seconds: float | None = None,
 ) -> dict[str, float]:
     """Phase 2 in one process: ``pause()``, ``commit()``, then ``resume()`` unless the
     server holds a mix of versions (``whole()`` false: a failed commit that could not roll
     back), whatever the commit raised. Returns the commit's figures and
-    ``paused_seconds``."""
+    ``paused_seconds``.
+
+    ``timeout_seconds``: how long the pause and the commit may take together; past it they
+    are cancelled (a commit cancelled while loading rolls back, see
+    :meth:`~weightsync_core.worker.rollout.CheckpointEngineWorker.commit_staged`), the
+    server resumes on the version it served, and :class:`WeightSyncError` says so.
+    """
     start = time.perf_counter()
-    try:
+    doing = "pausing the server"
+
+    async def switch() -> dict[str, float]:
+        nonlocal doing
         await pause()
-        stats = await commit()
+        doing = "committing the stage"
+        return await commit()
+
+    try:
+        stats = await asyncio.wait_for(switch(), timeout_seconds)
+    except TimeoutError as error:
+        raise WeightSyncError(
+            f"the switch did not finish within {timeout_seconds:g} s (sync_timeout_seconds) "
+            f"and was given up while {doing}: the stage was not committed, and the server "
+            + ("serves the version it served" if whole() else
+               "holds a mix of versions and refuses to serve until a sync completes")
+        ) from error
     finally:
         if whole():
             await resume()
