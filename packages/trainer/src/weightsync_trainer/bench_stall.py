@@ -39,8 +39,12 @@ MODELS = {
     "100m": ModelConfig(vocab_size=31744, hidden_size=640, intermediate_size=1700,
                         num_hidden_layers=12, num_attention_heads=10, num_key_value_heads=10,
                         max_position_embeddings=256),
+    "1g": ModelConfig(vocab_size=31744, hidden_size=1536, intermediate_size=4096,
+                      num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=12,
+                      max_position_embeddings=256),
 }
-"""Models the bench builds (random weights, no download): ``100m`` has 99.5M parameters."""
+"""Models the bench builds (random weights, no download): ``100m`` has 99.5M parameters,
+``1g`` about 1 GiB in bf16."""
 
 
 class PolicySource(ActorCheckpointEngineMixin):
