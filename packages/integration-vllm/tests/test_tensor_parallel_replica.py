@@ -13,12 +13,13 @@ one vLLM engine for each."""
 import pytest
 import ray
 import torch
-from vllm_sync_support import cpu_threads_bind, running_rollout
+from vllm_sync_support import running_rollout
 
 from weightsync_core import SyncStageError
 from weightsync_core.testing.profile import by_profile
 from weightsync_core.testing.weights import Faults
 from weightsync_vllm import AsyncVLLMRolloutWorker, VLLMReplica, VLLMRolloutWorker
+from weightsync_vllm.tensor_parallel import cpu_threads_bind
 
 PROMPTS = torch.randint(0, 8192, (2, 5), generator=torch.Generator().manual_seed(4))
 NEW_TOKENS = 4

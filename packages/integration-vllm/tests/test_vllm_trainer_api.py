@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from vllm_sync_support import cpu_threads_bind
 
 from weightsync_vllm.model_source import save_qwen2
+from weightsync_vllm.tensor_parallel import cpu_threads_bind
 
 TRAINER = Path(__file__).with_name("trainer_without_ray.py")
 SERVER_START_SECONDS = 300

@@ -4,7 +4,6 @@ of its weights that tells the greedy tokens vLLM must give after a sync."""
 import contextlib
 import dataclasses
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,16 +28,6 @@ def sync_config(backend: str, timeout: float = 60) -> CheckpointEngineConfig:
     """1 MiB buckets: a model's 2 MiB embedding and head are chunked across buckets."""
     return CheckpointEngineConfig(backend=backend, update_weights_bucket_megabytes=1,
                                   sync_timeout_seconds=timeout)
-
-
-def cpu_threads_bind(workers: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's CPUs between ``workers`` vLLM
-    workers (vLLM binds its CPU workers one per NUMA node otherwise, and refuses with fewer
-    nodes)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cpus) // workers)
-    return "|".join(",".join(map(str, cpus[i * share:(i + 1) * share]))
-                    for i in range(workers))
 
 
 @contextlib.contextmanager

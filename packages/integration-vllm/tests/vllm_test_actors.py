@@ -6,6 +6,7 @@ import torch
 
 from weightsync_core.testing.weights import Faults, faulty_stream
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
+from weightsync_vllm.extension import WeightsyncWorkerExtension
 from weightsync_vllm.model_source import ModelWeightsSource
 from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
 
@@ -48,9 +49,34 @@ class ProbedAsyncWorker(AsyncVLLMRolloutWorker):
         return await self.engine.is_paused()
 
 
+class FaultyCommitExtension(WeightsyncWorkerExtension):
+    """weightsync's extension of vLLM's workers, able to make one worker refuse a stage."""
+
+    def weightsync_refuse_next_commit(self, rank: int) -> None:
+        """Make the vLLM worker of tensor-parallel ``rank`` refuse the next stage it loads."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != rank:
+            return
+        loader = self._weightsync_engine()._loader
+
+        async def refuse(weights, global_steps=None) -> None:
+            del loader.update_weights
+            raise ValueError(f"vLLM worker {rank} refused its stage (a test fault)")
+
+        loader.update_weights = refuse
+
+
 class ProbedStagedWorker(StagedAsyncVLLMRolloutWorker):
-    """A staged AsyncLLM rollout worker that says whether vLLM's engine is paused."""
+    """A staged AsyncLLM rollout worker that says whether vLLM's engine is paused, and can
+    make one of its vLLM workers refuse its next stage."""
+
+    _worker_extension = "vllm_test_actors.FaultyCommitExtension"
 
     async def engine_paused(self) -> bool:
         """vLLM's own answer."""
         return await self.engine.is_paused()
+
+    async def refuse_next_commit(self, rank: int) -> None:
+        """vLLM worker ``rank`` refuses the next stage it commits."""
+        await self._rpc_all("weightsync_refuse_next_commit", rank=rank)

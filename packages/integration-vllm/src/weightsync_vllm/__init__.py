@@ -8,7 +8,7 @@ from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.model_source import ModelWeightsSource, perturb_, save_qwen2
 from weightsync_vllm.plugin import BACKEND_NAME
 from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
-from weightsync_vllm.tensor_parallel import VLLMReplica
+from weightsync_vllm.tensor_parallel import StagedVLLMReplica, VLLMReplica
 from weightsync_vllm.worker import VLLMRolloutWorker, default_engine_args
 
 __version__ = version("weightsync-vllm")
@@ -18,6 +18,7 @@ __all__ = [
     "AsyncVLLMRolloutWorker",
     "ModelWeightsSource",
     "StagedAsyncVLLMRolloutWorker",
+    "StagedVLLMReplica",
     "VLLMReplica",
     "VLLMRolloutWorker",
     "__version__",

@@ -19,16 +19,12 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from weightsync_core import (
-    CheckpointEngineConfig,
-    RayRolloutReplica,
-    RayWorkerGroup,
-    ensure_ray,
-)
+from weightsync_core import CheckpointEngineConfig, RayWorkerGroup, ensure_ray
 from weightsync_core.bench.stall import alternate_syncs, staged_and_stopped, summarize_stalls
 from weightsync_vllm.bench import model_shape
 from weightsync_vllm.model_source import ModelWeightsSource, save_qwen2
 from weightsync_vllm.staged_worker import StagedAsyncVLLMRolloutWorker
+from weightsync_vllm.tensor_parallel import StagedVLLMReplica, cpu_threads_bind
 
 __all__ = ["main"]
 
@@ -59,10 +55,15 @@ async def _bench(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
                                     update_weights_bucket_megabytes=64,
                                     sync_timeout_seconds=600)
     source: Any = ray.remote(num_cpus=0)(ModelWeightsSource).remote(config, model_path)
+    tensor_parallel = args.tensor_parallel_size
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tensor_parallel > 1:  # one share of this host's CPUs per vLLM worker
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel)
     rollout: Any = ray.remote(num_cpus=0)(StagedAsyncVLLMRolloutWorker).remote(
-        config, model_path, None, temperature=1.0, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        config, model_path, {"tensor_parallel_size": tensor_parallel}, temperature=1.0,
+        env=env)
     await rollout.start.remote()
-    replicas = [RayRolloutReplica([rollout])]
+    replicas = [StagedVLLMReplica(rollout, tensor_parallel)]
     managers = staged_and_stopped(config, RayWorkerGroup([source]), replicas)
     weights = await source.weights_bytes.remote()
     await managers["staged"].update_weights(0)
@@ -79,13 +80,15 @@ async def _bench(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         await rollout.shutdown.remote()
     summaries, usual_gap, rate = summarize_stalls([done], windows)
     return {"bytes": weights, "backend": args.backend, "delta": args.delta,
+            "tensor_parallel_size": tensor_parallel,
             "usual_gap_seconds": usual_gap, "requests_per_second_outside": rate,
             "load": os.getloadavg()[0],
             "modes": {mode: vars(summary) for mode, summary in summaries.items()}}
 
 
 def _table(report: dict[str, Any], tokens: int) -> str:
-    lines = [f"vLLM AsyncLLM, {report['bytes'] / 2**20:.0f} MiB of float32 weights, "
+    lines = [f"vLLM AsyncLLM (tensor_parallel_size {report['tensor_parallel_size']}), "
+             f"{report['bytes'] / 2**20:.0f} MiB of float32 weights, "
              f"{report['backend']}{', delta' if report['delta'] else ''}; load "
              f"{report['load']:.1f}; requests of {tokens} tokens, usual gap between two "
              f"completions {report['usual_gap_seconds'] * 1e3:.0f} ms "
@@ -124,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--syncs", type=int, default=4, help="syncs per mode (default 4)")
     parser.add_argument("--gap-seconds", type=float, default=3.0)
     parser.add_argument("--tokens", type=int, default=4, help="tokens per request")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM workers of the replica, each a rank of the sync")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ensure_ray(num_cpus=4)

@@ -44,6 +44,10 @@ class WeightsyncWorkerExtension:
         """Reload the version the last commit replaced."""
         self._weightsync_engine().roll_back_commit()
 
+    def weightsync_roll_back_if_taken(self, version: int | None) -> None:
+        """Reload the version replaced where this worker took staged ``version``."""
+        self._weightsync_engine().roll_back_if_taken(version)
+
     def weightsync_discard_staged(self) -> None:
         """Drop the stage."""
         self._weightsync_engine().discard_staged()

@@ -15,7 +15,7 @@ from weightsync_core import CheckpointEngineConfig, WeightSyncError
 from weightsync_core.spi import default_host
 from weightsync_vllm.stage_arguments import plain_arguments
 
-__all__ = ["VLLMRolloutWorkerBase", "default_engine_args"]
+__all__ = ["VLLMRolloutWorkerBase", "default_engine_args", "one_per_rank"]
 
 
 def default_engine_args(model_path: str) -> dict[str, Any]:
@@ -95,8 +95,12 @@ class VLLMRolloutWorkerBase:
         """What the last complete update moved into each vLLM worker, in rank order."""
         self._serving = asyncio.Lock()  # generation and weight updates take turns
 
-    @staticmethod
-    def _weight_transfer_args() -> dict[str, Any]:
+    _worker_extension: ClassVar[str] = "weightsync_vllm.extension.WeightsyncWorkerExtension"
+    """vLLM's ``worker_extension_cls``: how the actor reaches weightsync in vLLM's workers
+    (a subclass of :class:`~weightsync_vllm.extension.WeightsyncWorkerExtension`)."""
+
+    @classmethod
+    def _weight_transfer_args(cls) -> dict[str, Any]:
         """The engine arguments that make weightsync vLLM's weight-transfer engine."""
         from vllm.config import WeightTransferConfig
 
@@ -104,7 +108,7 @@ class VLLMRolloutWorkerBase:
 
         return {
             "weight_transfer_config": WeightTransferConfig(backend=BACKEND_NAME),
-            "worker_extension_cls": "weightsync_vllm.extension.WeightsyncWorkerExtension",
+            "worker_extension_cls": cls._worker_extension,
         }
 
     async def _rpc_all(self, method: str, /, **kwargs: Any) -> list[Any]:
@@ -173,7 +177,7 @@ class VLLMRolloutWorkerBase:
         await self._ensure_transfer_engine()
         results = await self._rpc_all("weightsync_call_per_rank", method=method,
                                       per_rank_kwargs=plain_arguments(per_rank_kwargs))
-        return _one_per_rank(results)
+        return one_per_rank(results)
 
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
@@ -192,7 +196,7 @@ class VLLMRolloutWorkerBase:
     ) -> Any:
         """:meth:`update_weights`, every vLLM worker receiving as a rank of its own; each
         worker's figures in rank order (as :meth:`execute_checkpoint_engine_per_rank`)."""
-        return _one_per_rank(await self._update(global_steps, allow_manifest_change,
+        return one_per_rank(await self._update(global_steps, allow_manifest_change,
                                                 delta_base, delta_version))
 
     async def _update(
@@ -224,6 +228,13 @@ class VLLMRolloutWorkerBase:
     def weights_status(self) -> dict[str, Any]:
         """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
         return {"version": self.weights_version, "complete": self.update_complete}
+
+    async def weights_status_of_rank(self, rank: int) -> dict[str, Any]:
+        """What vLLM worker ``rank`` serves (a
+        :class:`~weightsync_vllm.tensor_parallel.VLLMWorkerRank`'s ``weights_status``):
+        the engine's, whose workers load together."""
+        del rank
+        return self.weights_status()
 
     async def generate(
         self, prompt_ids: torch.Tensor, response_length: int, seed: int
@@ -290,6 +301,6 @@ class VLLMRolloutWorkerBase:
         """Nothing (see :meth:`release_kv_cache`)."""
 
 
-def _one_per_rank(results: list[Any]) -> Any:
+def one_per_rank(results: list[Any]) -> Any:
     """``results`` as a Ray method with ``num_returns=len(results)`` returns them."""
     return results[0] if len(results) == 1 else tuple(results)

@@ -10,6 +10,7 @@ import torch
 
 from weightsync_core import WeightSyncError, switch_paused
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
+from weightsync_vllm.rollout_worker_base import one_per_rank
 
 __all__ = ["StagedAsyncVLLMRolloutWorker"]
 
@@ -39,8 +40,11 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
 
     vLLM's worker keeps, besides the model: the stage (M, host, until the commit), a copy of
     the version served (M, from the first staged commit on) and of the one before (M, during
-    the switch only), M being the model in the sync's rollout dtype. One vLLM worker
-    (``tensor_parallel_size=1``); tensor-parallel engines take stop-the-world syncs.
+    the switch only), M being the model in the sync's rollout dtype (each vLLM worker of a
+    tensor-parallel engine the same, for the full copy it receives, or its slices over a
+    sharded backend). Put it in a
+    :class:`~weightsync_vllm.tensor_parallel.StagedVLLMReplica` (any
+    ``tensor_parallel_size``; a ``RayRolloutReplica`` takes one vLLM worker only).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -54,19 +58,36 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         delta_base: str | None = None, delta_version: str | None = None,
     ) -> dict[str, float]:
         """Phase 1: receive and check one version into vLLM's worker's stage while vLLM
-        serves; returns the stage's figures."""
+        serves; returns the stage's figures (one vLLM worker: see
+        :meth:`stage_weights_per_rank`)."""
         self._check_single_rank("stage_weights")
+        return (await self._stage(global_steps, allow_manifest_change, delta_base,
+                                  delta_version))[0]
+
+    async def stage_weights_per_rank(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        delta_base: str | None = None, delta_version: str | None = None,
+    ) -> Any:
+        """:meth:`stage_weights`, every vLLM worker staging as a rank of its own (a
+        :class:`~weightsync_vllm.tensor_parallel.StagedVLLMReplica`); each worker's
+        figures in rank order."""
+        return one_per_rank(await self._stage(global_steps, allow_manifest_change,
+                                               delta_base, delta_version))
+
+    async def _stage(self, global_steps: int | None, allow_manifest_change: bool,
+                     delta_base: str | None, delta_version: str | None
+                     ) -> list[dict[str, float]]:
         await self._ensure_transfer_engine()
         self.staged_version = None
         await self._rpc("weightsync_begin_stage", update_info={
             "global_steps": global_steps, "allow_manifest_change": allow_manifest_change,
             "delta_base": delta_base, "delta_version": delta_version,
         })
-        while True:
-            status = await self._rpc("weightsync_stage_status")
-            if status.pop("done"):
+        while True:  # every worker asked at once, until all are done (or one failed)
+            statuses = await self._rpc_all("weightsync_stage_status")
+            if all(status.pop("done") for status in statuses):
                 self.staged_version = global_steps
-                return status
+                return statuses
             await asyncio.sleep(_POLL_SECONDS)
 
     async def pause_generation(self, mode: str = "keep") -> None:
@@ -77,10 +98,16 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         await self.engine.pause_generation(mode=_VLLM_PAUSE_MODES[mode], clear_cache=False)
 
     async def commit_staged(self) -> dict[str, float]:
-        """Phase 2 under the caller's pause: load the stage (rolled back to the version
-        served where vLLM refuses it)."""
+        """Phase 2 under the caller's pause: every vLLM worker loads its stage; where one
+        refuses it, it rolls itself back and so do those that took theirs (the engine
+        serves one version). Returns rank 0's figures."""
+        version = self.staged_version
         try:
             stats = await self._rpc("weightsync_commit_staged")
+        except BaseException:
+            if self.tensor_parallel_size > 1:
+                await self._rpc("weightsync_roll_back_if_taken", version=version)
+            raise
         finally:
             await self._take_status()
         return stats
@@ -118,12 +145,19 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         await self._rpc("weightsync_forget_replaced")
 
     async def _take_status(self) -> None:
-        """What vLLM's worker serves after a commit or a roll-back."""
-        status = await self._rpc("weightsync_weights_status")
-        self.weights_version = status["version"]
-        self.update_complete = bool(status["complete"])
-        self.staged_version = status["staged_version"]
-        self.rollback_version = status["rollback_version"]
+        """What vLLM's workers serve after a commit or a roll-back: the version they agree
+        on (complete only where every one is whole on the same version)."""
+        statuses = await self._rpc_all("weightsync_weights_status")
+        versions = {status["version"] for status in statuses}
+        self.update_complete = len(versions) == 1 and all(s["complete"] for s in statuses)
+        self.weights_version = statuses[0]["version"]
+        self.staged_version = statuses[0]["staged_version"]
+        self.rollback_version = statuses[0]["rollback_version"]
+
+    async def weights_status_of_rank(self, rank: int) -> dict[str, Any]:
+        """vLLM worker ``rank``'s own status (its weightsync worker's ``weights_status``:
+        version, whether whole, staged and rollback versions)."""
+        return (await self._rpc_all("weightsync_weights_status"))[rank]
 
     def weights_status(self) -> dict[str, Any]:
         """``{"version", "complete", "staged_version", "rollback_version"}``."""

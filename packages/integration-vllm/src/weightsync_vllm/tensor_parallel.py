@@ -10,13 +10,20 @@ all its workers at once (vLLM's ``collective_rpc``), each with its own rank's ar
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weightsync_core import RayRolloutReplica, split_per_rank
 
-__all__ = ["VLLMReplica", "VLLMWorkerGroup", "VLLMWorkerRank"]
+__all__ = [
+    "StagedVLLMReplica",
+    "VLLMReplica",
+    "VLLMWorkerGroup",
+    "VLLMWorkerRank",
+    "cpu_threads_bind",
+]
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,22 @@ class VLLMWorkerRank:
     actor: Any
     """The rollout actor's Ray handle."""
     tensor_parallel_rank: int
+
+    @property
+    def weights_status(self) -> _RankStatus:
+        """``weights_status.remote()``: what this vLLM worker serves, has staged and could
+        roll back to (its actor's ``weights_status_of_rank``), as the manager asks a
+        worker."""
+        return _RankStatus(self.actor, self.tensor_parallel_rank)
+
+
+@dataclass(frozen=True)
+class _RankStatus:
+    actor: Any
+    rank: int
+
+    def remote(self) -> Any:
+        return self.actor.weights_status_of_rank.remote(self.rank)
 
 
 class VLLMWorkerGroup:
@@ -66,10 +89,23 @@ class VLLMWorkerGroup:
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         **delta: str | None,
     ) -> list[Any]:
+        return self._per_rank("update_weights_per_rank", global_steps, allow_manifest_change,
+                              **delta)
+
+    def stage_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
+    ) -> list[Any]:
+        """Phase 1 of a staged sync on every rank (a :class:`StagedVLLMReplica`'s actor)."""
+        return self._per_rank("stage_weights_per_rank", global_steps, allow_manifest_change,
+                              **delta)
+
+    def _per_rank(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """One call of the actors' ``method`` serving all their ranks; a ref per rank."""
         refs: list[Any] = []
         for actor, indices in self._actors:
-            refs += _refs(actor.update_weights_per_rank.options(
-                num_returns=len(indices)).remote(global_steps, allow_manifest_change, **delta))
+            refs += _refs(getattr(actor, method).options(
+                num_returns=len(indices)).remote(*args, **kwargs))
         return refs
 
 
@@ -97,6 +133,36 @@ class VLLMReplica(RayRolloutReplica):
     @property
     def workers(self) -> list[Any]:
         return list(self._ranks)
+
+
+class StagedVLLMReplica(VLLMReplica):
+    """A :class:`VLLMReplica` of a
+    :class:`~weightsync_vllm.staged_worker.StagedAsyncVLLMRolloutWorker`, of any
+    ``tensor_parallel_size``: weightsync-core's manager stages its syncs (every vLLM worker
+    stages its copy while vLLM serves) and switches it as a whole (one pause of the engine,
+    every worker's stage loaded, all rolled back where one fails).
+
+    Args: as :class:`VLLMReplica`.
+    """
+
+    async def switch_to_staged(self, mode: str = "keep", timeout_seconds: float | None = None
+                               ) -> dict[str, float]:
+        """Phase 2 for the whole replica (its actor's ``switch_to_staged``)."""
+        return await self._ranks[0].actor.switch_to_staged.remote(mode, timeout_seconds)
+
+    async def discard_staged(self) -> None:
+        """Drop every worker's stage."""
+        await self._ranks[0].actor.discard_staged.remote()
+
+
+def cpu_threads_bind(workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's CPUs between ``workers`` vLLM
+    workers (vLLM binds its CPU workers one per NUMA node otherwise, and refuses with fewer
+    nodes)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // workers)
+    return "|".join(",".join(map(str, cpus[i * share:(i + 1) * share]))
+                    for i in range(workers))
 
 
 def _refs(returned: Any) -> list[Any]:

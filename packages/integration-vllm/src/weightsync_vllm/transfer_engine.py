@@ -333,14 +333,14 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             update.delta_version), self._loop.loop)
 
     def stage_status(self) -> dict[str, Any]:
-        """``{"done": False}`` while the stage is being received; then ``{"done": True}``
-        and its figures, or the error it failed with (raised)."""
+        """``{"done": False}`` while the stage is being received; then, as often as asked
+        (the workers of a tensor-parallel engine are asked together until all are done),
+        ``{"done": True}`` and its figures, or the error it failed with (raised)."""
         stage = self._stage
         if stage is None:
             raise WeightSyncError("no stage is being received: begin_stage first")
         if not stage.done():
             return {"done": False}
-        self._stage = None
         return {"done": True, **stage.result()}
 
     def commit_staged(self) -> dict[str, float]:
@@ -354,8 +354,16 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         to take its stage)."""
         self._reloading(self.worker.roll_back_commit())
 
+    def roll_back_if_taken(self, version: int | None) -> None:
+        """Where this worker took staged ``version`` (another worker of its engine failed
+        to: the engine serves one version), reload the version it replaced."""
+        if self.worker.weights_version == version and self.worker.replaced_copy is not None:
+            self.roll_back_commit()
+
     def discard_staged(self) -> None:
         """Drop the stage (vLLM never saw it)."""
+        self._stage = None
+
         async def discard() -> None:
             self.worker.discard_staged()
 

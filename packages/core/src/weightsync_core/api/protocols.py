@@ -57,7 +57,14 @@ class RolloutReplica(Protocol):
     the transfer) ``resume_kv_cache`` and ``resume_generation``. verl's replicas fit as they
     are; ``sleep()`` and ``wake_up()`` are optional (for the manager's ``sleep_replicas`` and
     ``wake_up_replicas``). An optional ``worker_group_class`` attribute names the class of
-    the rollout side's worker group (default: the manager's ``default_rollout_group_class``)."""
+    the rollout side's worker group (default: the manager's ``default_rollout_group_class``).
+
+    Staged syncs reach each worker (``stage_weights``, ``commit_staged``, ...), unless the
+    replica switches as a whole: one whose workers are ranks of one process (a vLLM engine
+    of several tensor-parallel workers) has ``switch_to_staged(mode, timeout_seconds)``
+    (pause, commit every worker's stage, roll back every worker where one fails, resume;
+    raises where it failed) and ``discard_staged()``, both awaitable; its workers then need
+    only ``weights_status`` (a Ray-style ``.remote()`` call)."""
 
     @property
     def workers(self) -> Sequence[Any]:

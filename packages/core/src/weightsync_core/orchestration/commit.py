@@ -14,7 +14,7 @@ from typing import Any
 from weightsync_core.api.protocols import RolloutReplica
 from weightsync_core.orchestration.replica_status import worker_status
 
-__all__ = ["ReplicaCommit", "commit_replica"]
+__all__ = ["ReplicaCommit", "commit_replica", "switches_whole"]
 
 _SWITCH_REPORT_SECONDS = 5.0
 """How long past the deadline a one-worker switch may take to report that it gave up."""
@@ -52,9 +52,12 @@ async def commit_replica(
     the replica's workers that took theirs roll back too (``roll_back_commit``). A replica
     of one worker, given ``switch_mode``, does all three in one call to it
     (``switch_to_staged(switch_mode)``: its pause covers only its own work, no round trip
-    to the manager)."""
+    to the manager); so does a replica that switches as a whole (:func:`switches_whole`)."""
     outcome = ReplicaCommit(replica)
     workers = list(replica.workers)
+    if switches_whole(replica):
+        return await _switch_whole(outcome, worker_names, timeout_seconds,
+                                   switch_mode or "keep")
     if switch_mode is not None and len(workers) == 1 and hasattr(workers[0],
                                                                   "switch_to_staged"):
         return await _switch_alone(outcome, workers[0], worker_names[0], timeout_seconds,
@@ -103,4 +106,29 @@ async def _switch_alone(outcome: ReplicaCommit, worker: Any, name: str, timeout_
         outcome.failures = [(name, error)]
         status = await worker_status(worker, timeout_seconds)
         outcome.serving = status is not None and bool(status.get("complete"))
+    return outcome
+
+
+def switches_whole(replica: RolloutReplica) -> bool:
+    """Whether ``replica`` switches to its stage as a whole, in one call of its own
+    (``switch_to_staged``, ``discard_staged``: see
+    :class:`~weightsync_core.api.protocols.RolloutReplica`)."""
+    return hasattr(replica, "switch_to_staged") and hasattr(replica, "discard_staged")
+
+
+async def _switch_whole(outcome: ReplicaCommit, worker_names: Sequence[str],
+                        timeout_seconds: float, mode: str) -> ReplicaCommit:
+    """:func:`commit_replica` of a replica that switches as a whole: one call to it; after
+    a failure it serves where every worker reports a whole version."""
+    replica: Any = outcome.replica
+    try:
+        result = await asyncio.wait_for(replica.switch_to_staged(mode, timeout_seconds),
+                                        timeout_seconds + _SWITCH_REPORT_SECONDS)
+        outcome.paused_seconds = float(result["paused_seconds"])
+    except Exception as error:
+        statuses = await asyncio.gather(*(worker_status(worker, timeout_seconds)
+                                          for worker in replica.workers))
+        outcome.failures = [(worker_names[0], error)]
+        outcome.serving = all(status is not None and status.get("complete")
+                              for status in statuses)
     return outcome

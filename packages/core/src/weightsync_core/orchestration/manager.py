@@ -12,7 +12,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import ray
 
@@ -31,7 +31,7 @@ from weightsync_core.orchestration.blame import (
     metadata_culprit,
     settings_mismatch,
 )
-from weightsync_core.orchestration.commit import ReplicaCommit, commit_replica
+from weightsync_core.orchestration.commit import ReplicaCommit, commit_replica, switches_whole
 from weightsync_core.orchestration.commit_as_staged import CommitsAsStaged
 from weightsync_core.orchestration.delta_ledger import DeltaLedger
 from weightsync_core.orchestration.ray_group import RayWorkerGroup
@@ -466,14 +466,13 @@ class CheckpointEngineManager:
         """Whether :meth:`update_weights` runs in two phases (:meth:`stage_weights`, then
         :meth:`commit_weights`): ``config.staging`` is ``"auto"``, the backend moves bytes
         (not colocated), and the rollout group and every worker of every replica take the
-        staging calls (weightsync's own workers do; verl's do not)."""
+        staging calls (weightsync's own workers do; verl's do not), or the replica switches
+        as a whole (:class:`~weightsync_core.api.protocols.RolloutReplica`)."""
         if self.config.staging == "never" or self.backend_cls.is_colocated or not self.replicas:
             return False
         if not hasattr(self._rollout_group_class(), "stage_weights"):
             return False
-        return all(replica.workers and all(hasattr(worker, method) for worker in replica.workers
-                                           for method in _STAGING_CALLS)
-                   for replica in self.replicas)
+        return all(replica.workers and _stages(replica) for replica in self.replicas)
 
     def stage_weights_sync(
         self, global_steps: int | None = None, *, allow_manifest_change: bool = False
@@ -607,7 +606,7 @@ class CheckpointEngineManager:
             return (f"the replicas' worker group {group.__qualname__} has no stage_weights: "
                     "its workers load as they receive (stop-the-world); use update_weights")
         lacking = sorted({type(worker).__name__ for replica in self.replicas
-                          for worker in replica.workers
+                          if not _stages(replica) for worker in replica.workers
                           if not all(hasattr(worker, m) for m in _STAGING_CALLS)})
         return (f"rollout workers of class(es) {', '.join(lacking)} cannot stage (they lack "
                 f"{', '.join(_STAGING_CALLS)}); use update_weights, which is stop-the-world "
@@ -669,8 +668,8 @@ class CheckpointEngineManager:
 
     async def _discard_staged_weights(self) -> None:
         replicas, self._staged = self._staged, []
-        workers = [worker for replica in replicas for worker in replica.workers]
-        await self._finish_cleanup([worker.discard_staged.remote() for worker in workers])
+        await self._finish_cleanup([call for replica in replicas
+                                    for call in _discard_calls(replica)])
 
     async def _recover_stage(self, error: SyncStageError, replicas: list[RolloutReplica]
                              ) -> None:
@@ -685,8 +684,7 @@ class CheckpointEngineManager:
                 if commits is None or not commits.committing(replica)]
         cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
                    *_abort_calls(lambda: self.rollout_group(every), "the rollout workers"),
-                   *(worker.discard_staged.remote() for replica in discarding
-                     for worker in replica.workers)]
+                   *(call for replica in discarding for call in _discard_calls(replica))]
         await self._finish_cleanup(cleanup)
         if len(discarding) == len(replicas):
             error.args = (f"{error.args[0]}. Nothing was committed: every replica serves the "
@@ -1194,6 +1192,25 @@ class CheckpointEngineManager:
             return  # its replicas were never paused
         untouched = [r for r in replicas if not any(r is stale for stale in self.stale_replicas)]
         await self._finish_cleanup([_resume(replica) for replica in untouched])
+
+
+def _stages(replica: RolloutReplica) -> bool:
+    """Whether ``replica`` takes staged syncs: it switches as a whole, or every worker of it
+    takes the staging calls."""
+    return switches_whole(replica) or all(
+        hasattr(worker, method) for worker in replica.workers for method in _STAGING_CALLS)
+
+
+def _discard_calls(replica: RolloutReplica) -> list[Awaitable[Any]]:
+    """The calls that drop ``replica``'s stage: its own where it switches as a whole, else
+    each worker's."""
+    if switches_whole(replica):
+        return [_awaited(cast(Any, replica).discard_staged())]
+    return [worker.discard_staged.remote() for worker in replica.workers]
+
+
+async def _awaited(call: Awaitable[Any]) -> Any:
+    return await call
 
 
 def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
