@@ -43,7 +43,7 @@ async def commit_replica(
     replica: RolloutReplica, worker_names: Sequence[str], timeout_seconds: float,
     pause: Callable[[RolloutReplica], Awaitable[None]],
     resume: Callable[[RolloutReplica], Awaitable[None]],
-    switch_mode: str | None = None,
+    switch_mode: str | None = None, replica_name: str = "the replica",
 ) -> ReplicaCommit:
     """Pause ``replica`` (``pause``), commit every worker's stage (``commit_staged``, at
     once, within ``timeout_seconds``), and resume it (``resume``) unless a worker is left
@@ -52,7 +52,9 @@ async def commit_replica(
     the replica's workers that took theirs roll back too (``roll_back_commit``). A replica
     of one worker, given ``switch_mode``, does all three in one call to it
     (``switch_to_staged(switch_mode)``: its pause covers only its own work, no round trip
-    to the manager); so does a replica that switches as a whole (:func:`switches_whole`)."""
+    to the manager); so does a replica that switches as a whole (:func:`switches_whole`).
+    A pause that fails or runs past ``timeout_seconds`` commits nothing: the replica is
+    resumed on its version (named ``replica_name`` in the failure)."""
     outcome = ReplicaCommit(replica)
     workers = list(replica.workers)
     if switches_whole(replica):
@@ -63,7 +65,11 @@ async def commit_replica(
         return await _switch_alone(outcome, workers[0], worker_names[0], timeout_seconds,
                                    switch_mode)
     start = time.monotonic()
-    await asyncio.wait_for(pause(replica), timeout_seconds)
+    try:
+        await asyncio.wait_for(pause(replica), timeout_seconds)
+    except Exception as error:
+        return await _resume_unchanged(outcome, replica_name, error, resume, timeout_seconds,
+                                       start)
     calls = [asyncio.wait_for(_awaited(worker.commit_staged.remote()), timeout_seconds)
              for worker in workers]
     results = await asyncio.gather(*calls, return_exceptions=True)
@@ -85,6 +91,26 @@ async def commit_replica(
     if not outcome.failures:  # every worker took its stage: no roll-back needs the old one
         await asyncio.gather(*(_awaited(worker.forget_replaced.remote()) for worker in workers
                                if hasattr(worker, "forget_replaced")), return_exceptions=True)
+    return outcome
+
+
+async def _resume_unchanged(
+    outcome: ReplicaCommit, replica_name: str, error: Exception,
+    resume: Callable[[RolloutReplica], Awaitable[None]], timeout_seconds: float, start: float,
+) -> ReplicaCommit:
+    """A replica whose pause failed: nothing was committed; resume it on its version (it
+    serves where that works and every worker is whole)."""
+    outcome.failures = [(f"{replica_name} (pausing it for the switch)", error)]
+    try:
+        await asyncio.wait_for(resume(outcome.replica), timeout_seconds)
+    except Exception:
+        outcome.serving = False
+    else:
+        statuses = await asyncio.gather(*(worker_status(worker, timeout_seconds)
+                                          for worker in outcome.replica.workers))
+        outcome.serving = all(status is not None and status.get("complete")
+                              for status in statuses)
+    outcome.paused_seconds = time.monotonic() - start
     return outcome
 
 

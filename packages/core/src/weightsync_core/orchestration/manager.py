@@ -552,9 +552,11 @@ class CheckpointEngineManager:
     async def _commit_replica(self, replica: RolloutReplica) -> ReplicaCommit:
         """Phase 2 on one replica (:func:`commit_replica`), paused as ``config.pause_mode``
         says."""
+        index = self._replica_index(replica)
         return await commit_replica(replica, self._worker_names(replica),
                                     self.config.sync_timeout_seconds, self._pause_for_switch,
-                                    lambda r: r.resume_generation(), self.config.pause_mode)
+                                    lambda r: r.resume_generation(), self.config.pause_mode,
+                                    self._replica_name(replica, index or 0))
 
     def _commit_result(self, replicas: list[RolloutReplica],
                        outcomes: list[ReplicaCommit | BaseException], start: float
