@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from trainer_test_helpers import hf_sampled_tokens
 
 from weightsync_core import (
     CheckpointEngineConfig,
@@ -21,7 +22,6 @@ from weightsync_core import (
     SyncStageError,
 )
 from weightsync_trainer.bench_stall import MODELS, PolicySource
-from weightsync_trainer.modeling import build_policy_model
 from weightsync_trainer.workers.rollout import RolloutWorker
 
 MODEL = MODELS["tiny"]
@@ -82,15 +82,8 @@ def test_a_generating_client_sees_only_whole_versions_and_ends_on_the_actors(dep
     assert ray.get(worker.weights_checksum.remote()) == ray.get(source.checksum.remote())
     served = ray.get(worker.generate_sample.remote(PROMPT, 12, 1234))
     assert served["versions"] == [5] * 12
-    reference = build_policy_model(MODEL).eval().to(torch.bfloat16)
-    reference.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in
-                               ray.get(source.state_dict.remote()).items()})
-    torch.manual_seed(1234)
-    with torch.no_grad():
-        expected = reference.generate(  # pyright: ignore[reportCallIssue]
-            PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=True, temperature=1.0,
-            top_k=0, top_p=1.0, max_new_tokens=12, use_cache=True, pad_token_id=0)
-    assert torch.equal(served["tokens"], expected[:, PROMPT.shape[1]:])
+    expected = hf_sampled_tokens(MODEL, ray.get(source.state_dict.remote()), PROMPT, 1234, 12)
+    assert torch.equal(served["tokens"], expected)
 
 
 def test_a_stage_refused_in_phase_one_leaves_the_client_served_on_its_version(deployment):

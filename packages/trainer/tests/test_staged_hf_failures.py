@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from trainer_test_helpers import hf_sampled_tokens
 from trainer_test_plugins.staging_faults import FaultyPolicySource, FaultyRolloutWorker
 
 from weightsync_core import (
@@ -26,7 +27,6 @@ from weightsync_core import (
     SyncStageError,
 )
 from weightsync_trainer.bench_stall import MODELS
-from weightsync_trainer.modeling import build_policy_model
 
 MODEL = MODELS["tiny"]
 PROMPT = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
@@ -156,18 +156,6 @@ async def _generating_while(worker: Any, syncs) -> list[dict[str, Any]]:
     return samples
 
 
-def _hf_tokens(state: dict[str, torch.Tensor], seed: int, length: int) -> torch.Tensor:
-    """What Hugging Face samples on ``state`` (bf16, as the replicas serve it)."""
-    reference = build_policy_model(MODEL).eval().to(torch.bfloat16)
-    reference.load_state_dict({name: tensor.to(torch.bfloat16) for name, tensor in state.items()})
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = reference.generate(  # pyright: ignore[reportCallIssue]
-            PROMPT, attention_mask=torch.ones_like(PROMPT), do_sample=True, temperature=1.0,
-            top_k=0, top_p=1.0, max_new_tokens=length, use_cache=True, pad_token_id=0)
-    return out[:, PROMPT.shape[1]:]
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_failed_staged_sync_leaves_the_client_served_on_a_whole_version(deployment, name):
     case, served = CASES[name], deployment
@@ -213,7 +201,8 @@ def test_a_failed_staged_sync_leaves_the_client_served_on_a_whole_version(deploy
     assert (status["state"], status["version"]) == ("serving", expected), status
     served_now = ray.get(served.workers[0].generate_sample.remote(PROMPT, 8, 4321))
     assert served_now["versions"] == [expected] * 8
-    assert torch.equal(served_now["tokens"], _hf_tokens(served.states[expected], 4321, 8))
+    reference = hf_sampled_tokens(MODEL, served.states[expected], PROMPT, 4321, 8)
+    assert torch.equal(served_now["tokens"], reference)
 
     if case.target == "source":
         if case.fault == "corrupt_bucket":
@@ -223,3 +212,58 @@ def test_a_failed_staged_sync_leaves_the_client_served_on_a_whole_version(deploy
     elif case.fault.startswith("die"):
         served.replace_worker(1)
     served.sync_whole()
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(deployment):
+    """A replica of two tensor-parallel HF workers, synced once (the module's source)."""
+    workers = [ray.remote(FaultyRolloutWorker).remote(CONFIG, MODEL, 1.0, 1, (2, rank))
+               for rank in range(2)]
+    ray.get([worker.set_tensor_parallel_peers.remote([w for w in workers if w is not worker])
+             for worker in workers])
+    replica = RayRolloutReplica(workers, name="tp-replica")
+
+    def manager(timeout: float = CONFIG.sync_timeout_seconds) -> CheckpointEngineManager:
+        return CheckpointEngineManager(replace(CONFIG, sync_timeout_seconds=timeout),
+                                       RayWorkerGroup([deployment.source]), [replica])
+
+    deployment.step()
+    manager().update_weights_sync(global_steps=deployment.version)
+    yield workers, manager
+    for worker in workers:
+        ray.kill(worker)
+
+
+@pytest.mark.parametrize(("fault", "timeout"), [("refuse_switch", 20), ("stall_in_pause", 3)])
+def test_a_tensor_parallel_replica_whose_switch_fails_on_one_worker_serves_its_version(
+        deployment, tensor_parallel, fault, timeout):
+    """Phase 2 on a replica of two workers: one refuses its stage (the other took its own
+    and is rolled back) or never pauses (nothing is committed); the replica is resumed on its
+    version, the client gets no error, and the next sync is bit-exact."""
+    workers, manager = tensor_parallel
+    old = deployment.version
+    deployment.step()
+    ray.get(workers[1].set_fault.remote(fault))
+    errors: list[SyncStageError] = []
+
+    async def failing_sync() -> None:
+        await asyncio.sleep(0.1)
+        try:
+            await manager(timeout).update_weights(global_steps=deployment.version)
+        except SyncStageError as error:
+            errors.append(error)
+
+    samples = asyncio.run(_generating_while(workers[0], failing_sync))
+    assert errors and errors[0].stage == "commit", errors
+    assert "rolled back to the version they served, and serving: ['replica 0']" in str(
+        errors[0])
+    assert samples and all(set(sample["versions"]) == {old} for sample in samples)
+    status = manager().weights_status_sync()["replica 0"]
+    assert (status["state"], status["version"]) == ("serving", old), status
+    served = ray.get(workers[0].generate_sample.remote(PROMPT, 8, 4321))
+    reference = hf_sampled_tokens(MODEL, deployment.states[old], PROMPT, 4321, 8)
+    assert torch.equal(served["tokens"], reference)
+    deployment.step()
+    manager().update_weights_sync(global_steps=deployment.version)
+    checksum = ray.get(deployment.source.checksum.remote())
+    assert ray.get([worker.weights_checksum.remote() for worker in workers]) == [checksum] * 2

@@ -143,3 +143,14 @@ class ManifestGuard:
         """Make the finished stream the reference for the next sync (after the server took
         all of it)."""
         self._previous, self._current = self._current, {}
+
+    @property
+    def reference(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """A copy of what the next stream is checked against (None: nothing loaded yet)."""
+        return None if self._previous is None else dict(self._previous)
+
+    def restore(self, reference: dict[str, tuple[tuple[int, ...], torch.dtype]] | None
+                ) -> None:
+        """Make ``reference`` (an earlier :attr:`reference`) the reference again: the load
+        that replaced it was undone."""
+        self._previous = None if reference is None else dict(reference)

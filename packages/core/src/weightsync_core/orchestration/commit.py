@@ -98,16 +98,20 @@ async def _resume_unchanged(
     outcome: ReplicaCommit, replica_name: str, error: Exception,
     resume: Callable[[RolloutReplica], Awaitable[None]], timeout_seconds: float, start: float,
 ) -> ReplicaCommit:
-    """A replica whose pause failed: nothing was committed; resume it on its version (it
-    serves where that works and every worker is whole)."""
+    """A replica whose pause failed: nothing was committed; drop its workers' stages and
+    resume it on its version (it serves where that works and every worker is whole)."""
     outcome.failures = [(f"{replica_name} (pausing it for the switch)", error)]
+    workers = outcome.replica.workers
+    await asyncio.gather(*(asyncio.wait_for(_awaited(worker.discard_staged.remote()),
+                                            timeout_seconds) for worker in workers),
+                         return_exceptions=True)
     try:
         await asyncio.wait_for(resume(outcome.replica), timeout_seconds)
     except Exception:
         outcome.serving = False
     else:
         statuses = await asyncio.gather(*(worker_status(worker, timeout_seconds)
-                                          for worker in outcome.replica.workers))
+                                          for worker in workers))
         outcome.serving = all(status is not None and status.get("complete")
                               for status in statuses)
     outcome.paused_seconds = time.monotonic() - start

@@ -86,6 +86,10 @@ class CheckpointEngineWorker:
         """The copy of the version the last staged commit replaced, until every worker of the
         replica took its stage (:meth:`forget_replaced`) or the next stage
         (:meth:`roll_back_commit`: another worker of the replica failed to take its stage)."""
+        self._replaced_manifest: dict[str, Any] | None = None
+        """The manifest reference before the last swap commit (a roll-back restores it: the
+        tensors a server swaps out need not be what syncs send, as a tensor-parallel
+        server's slices)."""
 
     def server_adapter_of(self, kind: type[AdapterT]) -> AdapterT:
         """This worker's server adapter, which must be a ``kind``.
@@ -297,6 +301,7 @@ class CheckpointEngineWorker:
                 f"kept version {self.weights_version}, which it serves") from error
         self.replaced_copy = StagedWeights(self.weights_version, list(served.items()))
         self.rollback_copy = None  # a swap is all or nothing: there is nothing to repair
+        self._replaced_manifest = self.manifest_guard.reference
         self._accept_manifest(staged)
         self.weights_version = staged.version
         return {"num_tensors": float(len(staged)), "nbytes": float(staged.nbytes),
@@ -327,7 +332,7 @@ class CheckpointEngineWorker:
         if swap is not None:  # the server adopts its old tensors again
             self.delta_receiver.forget()
             swap(dict(previous.tensors), previous.version)
-            self._accept_manifest(previous)
+            self.manifest_guard.restore(self._replaced_manifest)
             self.weights_version = previous.version
             return
         if not await self._roll_back(previous):
