@@ -159,7 +159,9 @@ def test_a_flood_while_a_group_forms_costs_bounded_descriptors_and_no_process(cl
     member.join(60)
     print(f"\nflood while forming: {churned}; {formed}")
     assert member.exitcode == 0, "the member died"
-    assert churned["connections"] > STRAY_BOUND, f"the flood never reached the bound: {churned}"
+    # the flood must reach the bound; on a loaded machine the guard closed the listener with
+    # exactly 2,048 connections in (a clean-clone run at load 6.8), every later one refused
+    assert churned["connections"] >= STRAY_BOUND, f"the flood never reached the bound: {churned}"
     # the failed group is gone: every descriptor gloo kept is free again
     assert formed["growth"] <= 2, formed
     assert "connection flood from outside the sync" in formed["outcome"], formed
