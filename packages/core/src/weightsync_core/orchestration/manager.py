@@ -1207,12 +1207,8 @@ def _discard_calls(replica: RolloutReplica) -> list[Awaitable[Any]]:
     """The calls that drop ``replica``'s stage: its own where it switches as a whole, else
     each worker's."""
     if switches_whole(replica):
-        return [_awaited(cast(Any, replica).discard_staged())]
+        return [cast(Any, replica).discard_staged()]
     return [worker.discard_staged.remote() for worker in replica.workers]
-
-
-async def _awaited(call: Awaitable[Any]) -> Any:
-    return await call
 
 
 def _delta_metrics(rounds: list[_Round], shares: bool) -> dict[str, float]:
