@@ -40,6 +40,7 @@ class Outsider:
         self.seen = np.zeros(SPAN, dtype=np.uint8)
         self.sessions = [f"127.0.0.1:{port}" for port in ports]
         self.targets: dict[str, int] = {}
+        self.engines_found = False
         self.engine = self._start()
 
     def _start(self) -> TransferEngine:
@@ -65,7 +66,10 @@ class Outsider:
         for lookup in lookups:
             lookup.join(LOOKUP_SECONDS)
         self.targets = dict(found)
-        self.sessions = sorted(self.targets)  # only Transfer Engines from now on
+        if not self.engines_found:  # only Transfer Engines from now on; a later lookup that
+            # finds none registered (a failed sync released them) keeps looking at all of them
+            self.sessions = sorted(self.targets)
+            self.engines_found = bool(self.sessions)
         return engine
 
     def write(self, delay_bound: float) -> str:

@@ -27,9 +27,6 @@ FLOOD = 25_000
 """Connections opened and closed at a formed group's listener (over the descriptor limit)."""
 HELD = 2_000
 """Connections opened and held there."""
-STRAY_BOUND = 4 * MAX_STRAY_CONNECTIONS
-"""Descriptors a flood while a group forms may cost: the guard's limit, plus what arrives
-between two of its counts, with room for a slow machine."""
 
 
 def _descriptors() -> int:
@@ -159,9 +156,11 @@ def test_a_flood_while_a_group_forms_costs_bounded_descriptors_and_no_process(cl
     member.join(60)
     print(f"\nflood while forming: {churned}; {formed}")
     assert member.exitcode == 0, "the member died"
-    # the flood must reach the bound; on a loaded machine the guard closed the listener with
-    # exactly 2,048 connections in (a clean-clone run at load 6.8), every later one refused
-    assert churned["connections"] >= STRAY_BOUND, f"the flood never reached the bound: {churned}"
+    # the flood must pass the guard's limit; the guard then closes the listener and refuses
+    # every later connection, so on a loaded machine the flood got no further than 2,048
+    # (a clean-clone run at load 6.8) or 896 (load 6, 2026-12-06) connections in
+    assert churned["connections"] > MAX_STRAY_CONNECTIONS, (
+        f"the flood never passed the guard's limit: {churned}")
     # the failed group is gone: every descriptor gloo kept is free again
     assert formed["growth"] <= 2, formed
     assert "connection flood from outside the sync" in formed["outcome"], formed
