@@ -64,7 +64,12 @@ from weightsync_core.api.errors import (
     WeightSyncError,
 )
 from weightsync_core.api.plugins import load_class, load_custom_backend_module
-from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica, ServerAdapter
+from weightsync_core.api.protocols import (
+    CheckpointEngineWorkerGroup,
+    PreparedSwitch,
+    RolloutReplica,
+    ServerAdapter,
+)
 from weightsync_core.api.registry import BackendInfo, BackendState, CheckpointEngineRegistry
 from weightsync_core.api.session_key import new_session_key
 from weightsync_core.data.bucketing import (
@@ -162,6 +167,7 @@ __all__ = [
     "ManifestChangedError",
     "MetadataError",
     "PluginError",
+    "PreparedSwitch",
     "RayRolloutReplica",
     "RayWorkerGroup",
     "RolloutReplica",

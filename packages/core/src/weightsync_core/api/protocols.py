@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CheckpointEngineWorkerGroup", "RolloutReplica", "ServerAdapter"]
+__all__ = ["CheckpointEngineWorkerGroup", "PreparedSwitch", "RolloutReplica", "ServerAdapter"]
 
 
 @runtime_checkable
@@ -115,6 +115,12 @@ class ServerAdapter(Protocol):
     serves, all or nothing, and return the tensors it served before (a staged commit then
     copies nothing, and rolling it back swaps those in again).
 
+    Optional: ``prepare_weights(tensors, version) -> PreparedSwitch`` (plain or async):
+    once a stage is whole and checked, still in phase 1 and without changing what the
+    server serves, build everything the server needs to serve ``tensors`` (a server that
+    converts weights on load, as vLLM's kernels do, converts them here); the commit is then
+    :meth:`PreparedSwitch.apply`, under the pause. Raising refuses the stage in phase 1.
+
     Optional: ``pause_generation(mode)`` (``"keep"``, ``"drain"``, ``"abort"``; see
     :attr:`~weightsync_core.api.config.CheckpointEngineConfig.pause_mode`), the pause of a
     staged commit; without it, ``abort_all_requests()`` pauses the server."""
@@ -125,4 +131,31 @@ class ServerAdapter(Protocol):
         global_steps: int | None = None,
     ) -> None:
         """Consume every received ``(name, tensor)`` and load it into the model."""
+        ...
+
+
+@runtime_checkable
+class PreparedSwitch(Protocol):
+    """A server's switch to a staged version, built off the pause by its adapter's
+    ``prepare_weights`` (:class:`ServerAdapter`): the commit applies it under the pause.
+
+    Attributes:
+        nbytes: bytes it holds besides the server's own weights (the prepared version until
+            :meth:`apply`, then what :meth:`undo` needs).
+    """
+
+    nbytes: int
+
+    def apply(self) -> None:
+        """Make the prepared version the one the server serves, all or nothing (raising
+        leaves the server serving its version), keeping what :meth:`undo` needs."""
+        ...
+
+    def undo(self) -> None:
+        """After :meth:`apply`: serve the version it replaced again."""
+        ...
+
+    def release(self) -> None:
+        """Drop what it holds (the prepared version, or after :meth:`apply` the replaced
+        one): it will be neither applied nor undone."""
         ...

@@ -16,7 +16,7 @@ from weightsync_core.api.engine import (
     CheckpointEngineWithCache,
 )
 from weightsync_core.api.errors import WeightSyncError
-from weightsync_core.api.protocols import ServerAdapter
+from weightsync_core.api.protocols import PreparedSwitch, ServerAdapter
 from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
 from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
@@ -27,7 +27,12 @@ from weightsync_core.worker.lifecycle import (
     execute_engine_method,
     written_for_verl,
 )
-from weightsync_core.worker.staging import StagedWeights, stage_weights, switch_paused
+from weightsync_core.worker.staging import (
+    StagedWeights,
+    prepare_switch,
+    stage_weights,
+    switch_paused,
+)
 
 __all__ = ["CheckpointEngineWorker"]
 
@@ -60,7 +65,9 @@ class CheckpointEngineWorker:
     fails (:mod:`weightsync_core.worker.staging` says what each keeps). A server adapter
     with ``swap_weights(tensors, version) -> previous tensors`` (all or nothing) commits by
     adopting the staged tensors as its weights, with no copy; its old tensors are the copy
-    to roll back to.
+    to roll back to. A server adapter with ``prepare_weights(tensors, version)`` builds its
+    switch to a complete stage in phase 1, off the pause
+    (:class:`~weightsync_core.api.protocols.PreparedSwitch`); the commit applies it.
 
     Attributes:
         weights_version: ``global_steps`` of the last complete update (``None`` before one).
@@ -156,7 +163,7 @@ class CheckpointEngineWorker:
         arrives as that version; with ``delta_base``, what arrives are patches against the
         version of that token, which this worker must hold
         (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
-        self.staged = None  # this version is newer than any stage
+        self._drop_stage()  # this version is newer than any stage
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
@@ -193,14 +200,16 @@ class CheckpointEngineWorker:
         never the server's own tensors.
 
         Each tensor is also offered to the server adapter's optional
-        ``check_staged_weight`` (:class:`~weightsync_core.api.protocols.ServerAdapter`).
+        ``check_staged_weight`` (:class:`~weightsync_core.api.protocols.ServerAdapter`), and
+        the complete stage to its optional ``prepare_weights``, which builds the server's
+        switch to it (``prepare_seconds``, ``prepared_bytes`` in the figures).
 
         Raises:
             WeightSyncError: what :meth:`update_weights` raises before loading; the server
                 serves its version and nothing is staged.
         """
-        self.staged = None  # this version is newer; the delta copy, if any, still holds its
-        self.replaced_copy = None  # version, verified: the sender may patch against it
+        self._drop_stage()  # this version is newer; the delta copy, if any, still holds its
+        self.forget_replaced()  # version, verified: the sender may patch against it
         engine = self.checkpoint_engine
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
@@ -213,9 +222,12 @@ class CheckpointEngineWorker:
         staged = await stage_weights(weights, global_steps, self.manifest_guard,
                                      engine.progress,
                                      getattr(self.server_adapter, "check_staged_weight", None))
-        self.staged = staged
         stats: dict[str, float] = {"num_tensors": len(staged), "nbytes": staged.nbytes,
                                    "seconds": time.perf_counter() - start}
+        prepare = getattr(self.server_adapter, "prepare_weights", None)
+        if prepare is not None:
+            stats.update(await prepare_switch(staged, prepare, engine.progress))
+        self.staged = staged
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
         return stats
@@ -237,6 +249,8 @@ class CheckpointEngineWorker:
                 "this rollout worker has no staged weights to commit: stage_weights must "
                 "succeed first (a failed or discarded stage leaves none)")
         self.staged = None
+        if staged.prepared is not None:
+            return self._apply_prepared(staged, staged.prepared)
         swap = getattr(self.server_adapter, "swap_weights", None)
         if swap is not None:
             return self._swap_in(staged, swap)
@@ -283,7 +297,32 @@ class CheckpointEngineWorker:
     def forget_replaced(self) -> None:
         """Drop the copy of the version the last commit replaced: every worker of the
         replica took its stage (the manager says so), so no roll-back will need it."""
-        self.replaced_copy = None
+        replaced, self.replaced_copy = self.replaced_copy, None
+        if replaced is not None:
+            replaced.release()
+
+    def _apply_prepared(self, staged: StagedWeights, prepared: PreparedSwitch
+                        ) -> dict[str, float]:
+        """Commit ``staged`` by applying the switch its server prepared in phase 1 (all or
+        nothing); the applied switch is kept to undo it (:meth:`roll_back_commit`) until the
+        replica's commit is known, and the stage's tensors are dropped."""
+        start = time.perf_counter()
+        try:
+            prepared.apply()
+        except Exception as error:
+            staged.release()
+            self.delta_receiver.forget()  # it holds the version the server refused
+            raise WeightSyncError(
+                f"the server failed to switch to staged version {staged.version}: {error!r}; "
+                f"it kept version {self.weights_version}, which it serves") from error
+        self.replaced_copy = StagedWeights(self.weights_version, prepared=prepared)
+        self.rollback_copy = None  # the switch is all or nothing: there is nothing to repair
+        self._replaced_manifest = self.manifest_guard.reference
+        self._accept_manifest(staged)
+        self.weights_version = staged.version
+        return {"num_tensors": float(len(staged)),
+                "nbytes": float(staged.nbytes - prepared.nbytes),
+                "seconds": time.perf_counter() - start}
 
     def _swap_in(self, staged: StagedWeights,
                  swap: Callable[[dict[str, torch.Tensor], int | None], dict[str, torch.Tensor]],
@@ -328,6 +367,13 @@ class CheckpointEngineWorker:
         if previous is None:
             raise WeightSyncError("this rollout worker has no copy of the version before its "
                                   "last commit to roll back to")
+        if previous.prepared is not None:  # the server undoes the switch it applied
+            self.delta_receiver.forget()
+            previous.prepared.undo()
+            previous.release()
+            self.manifest_guard.restore(self._replaced_manifest)
+            self.weights_version = previous.version
+            return
         swap = getattr(self.server_adapter, "swap_weights", None)
         if swap is not None:  # the server adopts its old tensors again
             self.delta_receiver.forget()
@@ -360,14 +406,21 @@ class CheckpointEngineWorker:
         sync is a full one. (A stage a newer sync replaces keeps it: that sync's patches
         may be against the staged version, which the copy holds, verified.)"""
         if self.staged is not None:
-            self.staged = None
+            self._drop_stage()
             self.delta_receiver.forget()
+
+    def _drop_stage(self) -> None:
+        """Forget the stage, if any, with what the server prepared for it."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            staged.release()
 
     async def _load(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None,
         allow_manifest_change: bool,
     ) -> dict[str, float]:
-        self.rollback_copy = self.replaced_copy = None  # the server's version changes
+        self.forget_replaced()  # the server's version changes
+        self.rollback_copy = None
         self.update_complete = False
         self.manifest_guard.start(allow_change=allow_manifest_change)
         if written_for_verl(self.checkpoint_engine):

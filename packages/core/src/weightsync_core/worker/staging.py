@@ -12,8 +12,12 @@ replica took its stage (then dropped: ``forget_replaced``): 2M at most during a 
 after it. A server that swaps the stage in (its adapter's ``swap_weights``: the trainer's
 Hugging Face replicas) serves the stage's own tensors, and its old ones are kept only until
 the replica's commit is known: M during phase 1 and the commit, nothing after, and the
-commit copies nothing. A delta-enabled sync keeps its own copy of the last version besides
-(:class:`~weightsync_core.data.delta.DeltaReceiver`).
+commit copies nothing. A server that prepares its switch (its adapter's
+``prepare_weights``: vLLM's workers) holds, besides the stage, what it prepared (its adapter
+states how much: :attr:`~weightsync_core.api.protocols.PreparedSwitch.nbytes`) from the end
+of phase 1 to the commit, and after the commit what undoing it needs until the replica's
+commit is known; the stage is dropped at the commit. A delta-enabled sync keeps its own copy
+of the last version besides (:class:`~weightsync_core.data.delta.DeltaReceiver`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import torch
 
 from weightsync_core.api.engine import SyncProgress
 from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.protocols import PreparedSwitch
 from weightsync_core.data.verification import ManifestGuard
 
-__all__ = ["StagedWeights", "stage_weights", "switch_paused"]
+__all__ = ["StagedWeights", "prepare_switch", "stage_weights", "switch_paused"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -46,15 +51,27 @@ class StagedWeights:
     Attributes:
         version: the ``global_steps`` of the sync that brought it.
         tensors: ``(name, tensor)`` in arrival order.
+        prepared: the server's switch to it, built off the pause (its adapter's
+            ``prepare_weights``), or None; in the copy of a version a commit replaced, the
+            applied switch, whose ``undo`` serves that version again (``tensors`` empty).
     """
 
     version: int | None
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    prepared: PreparedSwitch | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes it holds (a tensor's storage shared with another counted once per tensor)."""
-        return sum(_nbytes(tensor) for _, tensor in self.tensors)
+        """Bytes it holds (a tensor's storage shared with another counted once per tensor),
+        what the server prepared included."""
+        prepared = 0 if self.prepared is None else self.prepared.nbytes
+        return prepared + sum(_nbytes(tensor) for _, tensor in self.tensors)
+
+    def release(self) -> None:
+        """Drop what the server prepared for it, if anything (it will not be applied)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            prepared.release()
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -100,6 +117,35 @@ async def stage_weights(
     finally:
         progress.enter("idle")
     return staged
+
+
+async def prepare_switch(
+    staged: StagedWeights, prepare: Callable[..., Any], progress: SyncProgress
+) -> dict[str, float]:
+    """Have the server build its switch to ``staged`` off the pause (``prepare``: its
+    adapter's ``prepare_weights(tensors, version)``, plain or async), kept as
+    ``staged.prepared``; returns ``prepare_seconds`` and ``prepared_bytes``.
+
+    Raises:
+        WeightSyncError: the server could not prepare it (the stage is refused in phase 1;
+            the server serves its version, untouched).
+    """
+    start = time.perf_counter()
+    try:
+        progress.enter("loading")
+        prepared = prepare(dict(staged.tensors), staged.version)
+        if inspect.isawaitable(prepared):
+            prepared = await prepared
+    except WeightSyncError:
+        raise
+    except Exception as error:
+        raise WeightSyncError(f"the server could not prepare its switch to staged version "
+                              f"{staged.version}: {error!r}") from error
+    finally:
+        progress.enter("idle")
+    staged.prepared = prepared
+    return {"prepare_seconds": time.perf_counter() - start,
+            "prepared_bytes": float(prepared.nbytes)}
 
 
 async def switch_paused(
