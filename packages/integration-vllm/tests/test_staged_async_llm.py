@@ -76,8 +76,20 @@ def test_staged_syncs_while_a_client_generates_give_hf_tokens(delta, rollout, so
         assert torch.equal(_generate(rollout), expected), sync
     status = ray.get(rollout.weights_status.remote())
     assert status == {"version": 402 + 10 * delta, "complete": True, "staged_version": None,
-                      "rollback_version": 402 + 10 * delta}  # its copy, for the next
+                      "rollback_version": None}  # a prepared switch is all or nothing
     assert not ray.get(rollout.engine_paused.remote())
+
+
+def test_a_staged_sync_after_a_stop_the_world_one_gives_hf_tokens(rollout, source):
+    # vLLM's own reload (the stop-the-world sync's) leaves its wrappers on the model's weight
+    # loaders; the staged sync's shadow of the model must load through its own
+    source.perturb(PROMPTS, NEW_TOKENS)
+    source.manager_into(rollout, "gloo", staging="never").update_weights(450)
+    for sync in range(2):
+        expected = source.perturb(PROMPTS, NEW_TOKENS)
+        metrics = source.manager_into(rollout, "gloo").update_weights(451 + sync)
+        assert metrics["weightsync/staged"] == 1.0
+        assert torch.equal(_generate(rollout), expected), sync
 
 
 @pytest.mark.parametrize("fault", [Faults(rename="model.layers.0.mlp.up_proj.weight"),

@@ -53,18 +53,37 @@ class FaultyCommitExtension(WeightsyncWorkerExtension):
     """weightsync's extension of vLLM's workers, able to make one worker refuse a stage."""
 
     def weightsync_refuse_next_commit(self, rank: int) -> None:
-        """Make the vLLM worker of tensor-parallel ``rank`` refuse the next stage it loads."""
+        """Make the vLLM worker of tensor-parallel ``rank`` refuse to switch to the next
+        stage it prepares."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         if get_tensor_model_parallel_rank() != rank:
             return
         loader = self._weightsync_engine()._loader
+        prepare = loader.prepare_weights
 
-        async def refuse(weights, global_steps=None) -> None:
-            del loader.update_weights
-            raise ValueError(f"vLLM worker {rank} refused its stage (a test fault)")
+        async def prepare_refusing(tensors, version):
+            del loader.prepare_weights
+            return _RefusingSwitch(await prepare(tensors, version), rank)
 
-        loader.update_weights = refuse
+        loader.prepare_weights = prepare_refusing
+
+
+class _RefusingSwitch:
+    """A prepared switch whose application a vLLM worker refuses."""
+
+    def __init__(self, switch, rank: int) -> None:
+        self.switch, self.rank = switch, rank
+        self.nbytes = switch.nbytes
+
+    def apply(self) -> None:
+        raise ValueError(f"vLLM worker {self.rank} refused its stage (a test fault)")
+
+    def undo(self) -> None:
+        self.switch.undo()
+
+    def release(self) -> None:
+        self.switch.release()
 
 
 class ProbedStagedWorker(StagedAsyncVLLMRolloutWorker):

@@ -35,6 +35,7 @@ from weightsync_core.data.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread
 from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of
+from weightsync_vllm.prepared_switch import PreparedVLLMSwitch, ShadowModel
 from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
 from weightsync_vllm.rendezvous import Arguments, Joined, RendezvousMessage
 from weightsync_vllm.shard_layout import tensor_parallel_layout_spec, whole_tensor
@@ -86,6 +87,11 @@ class _LoadsWeights(Protocol):
     """A vLLM model (vLLM types the engine's target model as a plain ``torch.nn.Module``)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
+
+
+async def _each(tensors: dict[str, torch.Tensor]) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    for item in tensors.items():
+        yield item
 
 
 class _ModelLoader:
@@ -146,8 +152,26 @@ class _ModelLoader:
             raise
         finish_reload(self.engine.model, self.engine.model_config)
 
-    async def _load(self, weights: AsyncIterator[tuple[str, torch.Tensor]]) -> None:
-        model = self.engine.model
+    async def prepare_weights(self, tensors: dict[str, torch.Tensor], version: int | None
+                              ) -> PreparedVLLMSwitch:
+        """Phase 1's end, while vLLM serves: load and process the staged ``tensors`` into a
+        shadow of the model (:mod:`weightsync_vllm.prepared_switch`), so that the commit
+        only copies the processed tensors in, under the pause; a tensor vLLM refuses here
+        refuses the stage."""
+        shadow = ShadowModel(self.engine.model)
+        try:
+            start_reload(shadow.root)
+            await self._load(_each(tensors), shadow.root)
+            shadow.check_loaded()
+            finish_reload(shadow.root, self.engine.model_config)
+            return shadow.switch()
+        finally:
+            shadow.forget_reload_state()
+
+    async def _load(self, weights: AsyncIterator[tuple[str, torch.Tensor]],
+                    model: torch.nn.Module | None = None) -> None:
+        """Load ``weights`` into ``model`` (the engine's current target model by default)."""
+        model = self.engine.model if model is None else model
         if not isinstance(model, _LoadsWeights):
             raise TypeError(
                 f"the weight-update target {type(model).__name__} has no load_weights(); "
