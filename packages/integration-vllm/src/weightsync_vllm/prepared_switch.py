@@ -8,17 +8,18 @@ stop-the-world sync. Here both run in phase 1, on a *shadow* of the model: every
 copied shallowly (its own ``__dict__``), with its own copies of the model's tensors, so that
 vLLM's layerwise reload (the same code as a reload of the live model) writes only into the
 shadow's tensors and sets only the shadow's attributes, while vLLM generates on the live
-model. Under the pause, :meth:`PreparedVLLMSwitch.apply` copies the shadow's processed
-tensors into the live model's own storage (as vLLM's reload ends, so references held by
-kernels or CUDA graphs stay valid) and hands the live modules what processing built besides
-(a CPU layer's packed weight, held by its ``cpu_linear``).
+model. Under the pause, :meth:`PreparedVLLMSwitch.apply` puts the shadow's processed tensors in
+the live model's place (on the host their storages are exchanged; on a device the values are
+copied into the live tensors, as vLLM's reload ends, so the addresses CUDA graphs hold stay
+valid) and hands the live modules what processing built besides (a CPU layer's packed
+weight, held by its ``cpu_linear``).
 
-Memory, besides the model: the shadow's tensors and a copy of the live ones to undo the
-switch with (2K, K being the model's tensors as the kernels hold them: on vLLM-CPU the packed
-linear weights live outside them, so K is the embeddings, norms and biases) and what
+Memory, besides the model: the shadow's tensors (K, the model's tensors as the kernels hold
+them: on vLLM-CPU the packed linear weights live outside them, so K is the embeddings, norms
+and biases; 2K on a device, with the copy of the live values to undo with) and what
 processing builds (P, vLLM-CPU's packed weights: the size of the linear layers), from the
-end of phase 1 to the commit; after the commit, the copy of the replaced tensors (K) and the
-replaced packed weights (P) until the replica's commit is known.
+end of phase 1 to the commit; after the commit, the replaced tensors (K) and the replaced
+packed weights (P) until the replica's commit is known.
 """
 
 from __future__ import annotations
@@ -227,31 +228,65 @@ class _ModuleSwitch:
                 self.live.__dict__[key] = value
 
 
+class _TensorExchange:
+    """One live tensor and the shadow's: on the host their storages are exchanged (nothing
+    copied, and the live tensor's old storage is kept for :meth:`undo`); on a device, where
+    CUDA graphs hold the live tensor's address, the shadow's values are copied in, with a
+    copy of the old values (taken while preparing: vLLM only reads them) for :meth:`undo`."""
+
+    def __init__(self, live: torch.Tensor, new: torch.Tensor) -> None:
+        self.live, self.new = live, new
+        self.old = None if live.device.type == "cpu" else live.detach().clone()
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes([self.new] if self.old is None else [self.new, self.old])
+
+    def apply(self) -> None:
+        if self.old is None:
+            self._exchange()
+        else:
+            self.live.copy_(self.new)
+            self.new = self.old  # the new values are the live tensor's now
+
+    def undo(self) -> None:
+        if self.old is None:
+            self._exchange()
+        else:
+            self.live.copy_(self.old)
+
+    def _exchange(self) -> None:
+        self.live.data, self.new.data = self.new.data, self.live.data
+
+
 class PreparedVLLMSwitch:
     """A :class:`~weightsync_core.api.protocols.PreparedSwitch` of a vLLM model: made from a
     :class:`ShadowModel` that vLLM's layerwise reload loaded and processed; :meth:`apply`
-    copies its tensors into the live model's and hands over the attributes processing set;
-    :meth:`undo` puts back what it replaced."""
+    puts its tensors in the live model's place (:class:`_TensorExchange`) and hands over the
+    attributes processing set; :meth:`undo` puts back what it replaced."""
 
     def __init__(self, shadow: ShadowModel) -> None:
         modules = [_ModuleSwitch(live, copy, shadow.before[id(live)])
                    for live, copy in shadow.pairs]
         self._modules = [module for module in modules if module.tensors or module.attributes]
         seen: set[int] = set()
-        self._tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._tensors: list[_TensorExchange] = []
         for module in self._modules:
             for live, new in module.tensors:
-                if id(live) not in seen:  # a tied tensor is copied once
+                if id(live) not in seen:  # a tied tensor is exchanged once
                     seen.add(id(live))
-                    self._tensors.append((live, new))
-        self._replaced: list[torch.Tensor] | None = [
-            live.detach().clone() for live, _ in self._tensors]  # vLLM only reads them
+                    self._tensors.append(_TensorExchange(live, new))
         self._replaced_attributes: list[dict[str, Any]] | None = None
-        self.nbytes = 2 * _nbytes(new for _, new in self._tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors it holds besides the model's (the packed weights that
+        processing built, held by the attributes, not counted)."""
+        return sum(tensor.nbytes for tensor in self._tensors)
 
     def apply(self) -> None:
-        """Serve the prepared version: its tensors copied into the live model's, its
-        attributes handed over; the live ones kept for :meth:`undo`.
+        """Serve the prepared version: its tensors in the live model's place, its attributes
+        handed over; the replaced ones kept for :meth:`undo`.
 
         Raises:
             WeightSyncError: the live model changed since the switch was prepared (another
@@ -266,25 +301,22 @@ class PreparedVLLMSwitch:
                                       for key in module.attributes}
                                      for module in self._modules]
         with torch.no_grad():
-            for live, new in self._tensors:
-                live.copy_(new)
+            for tensor in self._tensors:
+                tensor.apply()
         for module in self._modules:
             module.hand_over(module.attributes)
-        self._tensors = [(live, live) for live, _ in self._tensors]  # the new ones: dropped
-        self.nbytes = _nbytes(self._replaced or ())
 
     def undo(self) -> None:
         """Serve the version :meth:`apply` replaced again."""
-        if self._replaced is None or self._replaced_attributes is None:
+        if self._replaced_attributes is None:
             raise WeightSyncError("this switch was not applied, or its undo was released")
         with torch.no_grad():
-            for (live, _), old in zip(self._tensors, self._replaced, strict=True):
-                live.copy_(old)
+            for tensor in self._tensors:
+                tensor.undo()
         for module, attributes in zip(self._modules, self._replaced_attributes, strict=True):
             module.hand_over(attributes)
 
     def release(self) -> None:
         """Drop the prepared version, or after :meth:`apply` the replaced one."""
         self._modules, self._tensors = [], []
-        self._replaced = self._replaced_attributes = None
-        self.nbytes = 0
+        self._replaced_attributes = None

@@ -101,15 +101,24 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         """Phase 2 under the caller's pause: every vLLM worker loads its stage; where one
         refuses it, it rolls itself back and so do those that took theirs (the engine
         serves one version). Returns rank 0's figures."""
+        return await self._commit(take_status=True)
+
+    async def _commit(self, take_status: bool) -> dict[str, float]:
+        """:meth:`commit_staged`; where every vLLM worker took its stage and not
+        ``take_status``, only the version served is set here (the requests' cache salt),
+        and the caller asks the workers for the rest once vLLM runs again."""
         version = self.staged_version
         try:
             stats = await self._rpc("weightsync_commit_staged")
         except BaseException:
             if self.tensor_parallel_size > 1:
                 await self._rpc("weightsync_roll_back_if_taken", version=version)
-            raise
-        finally:
             await self._take_status()
+            raise
+        if take_status:
+            await self._take_status()
+        else:
+            self.update_complete, self.weights_version = True, version
         return stats
 
     async def roll_back_commit(self) -> None:
@@ -130,13 +139,15 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         a mix of versions, which :meth:`generate` then refuses to serve); the pause and the
         commit may take ``timeout_seconds`` together (``weightsync_core.switch_paused``)."""
         try:
-            stats = await switch_paused(lambda: self.pause_generation(mode), self.commit_staged,
+            stats = await switch_paused(lambda: self.pause_generation(mode),
+                                        lambda: self._commit(take_status=False),
                                         self.resume_generation, lambda: self.update_complete,
                                         timeout_seconds)
         except WeightSyncError:
             await self.discard_staged()  # given up before the commit took it
             raise
         await self.forget_replaced()  # no other worker of its replica can fail
+        await self._take_status()
         return stats
 
     async def forget_replaced(self) -> None:
