@@ -29,20 +29,22 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
 
     Phase 1 (:meth:`stage_weights`): vLLM's worker receives and checks the version into a
     host stage on a loop of its own (the engine's other stages, short, still run between
-    two of vLLM's steps), each tensor checked against the model's names, shapes and dtypes;
-    the actor polls it; vLLM generates throughout. Phase 2 (:meth:`switch_to_staged`):
-    vLLM's ``pause_generation`` (``keep``: requests in flight freeze with their KV cache and
-    continue on the new weights; ``drain``: vLLM's ``wait``; ``abort``), one layerwise
-    reload from the stage, and ``resume_generation``; where vLLM refuses the stage, the
-    reload is abandoned and the version it served is reloaded from the worker's copy, and it
-    resumes on it. Requests carry a cache salt of the version they started on, so no new
-    request reuses a prefix cached under other weights (the cache is never cleared).
+    two of vLLM's steps), each tensor checked against the model's names, shapes and dtypes,
+    then loaded and processed into a shadow of the model
+    (:mod:`weightsync_vllm.prepared_switch`); the actor polls it; vLLM generates
+    throughout. Phase 2 (:meth:`switch_to_staged`): vLLM's ``pause_generation`` (``keep``:
+    requests in flight freeze with their KV cache and continue on the new weights;
+    ``drain``: vLLM's ``wait``; ``abort``), the shadow's tensors put in the model's place,
+    and ``resume_generation``; all or nothing, so vLLM serves one version whatever fails.
+    Requests carry a cache salt of the version they started on, so no new request reuses a
+    prefix cached under other weights (the cache is never cleared).
 
-    vLLM's worker keeps, besides the model: the stage (M, host, until the commit), a copy of
-    the version served (M, from the first staged commit on) and of the one before (M, during
-    the switch only), M being the model in the sync's rollout dtype (each vLLM worker of a
-    tensor-parallel engine the same, for the full copy it receives, or its slices over a
-    sharded backend). Put it in a
+    vLLM's worker keeps, besides the model: the stage (M, host, from its arrival to the
+    commit), the shadow (K + P, from the stage's end to the commit) and the replaced version
+    (K + P, during the switch), M being the model in the sync's rollout dtype, K and P the
+    model's tensors and what vLLM's processing builds besides (packed weights); each vLLM
+    worker of a tensor-parallel engine the same, for the full copy it receives, or its
+    slices over a sharded backend. Put it in a
     :class:`~weightsync_vllm.tensor_parallel.StagedVLLMReplica` (any
     ``tensor_parallel_size``; a ``RayRolloutReplica`` takes one vLLM worker only).
     """
@@ -98,9 +100,9 @@ class StagedAsyncVLLMRolloutWorker(AsyncVLLMRolloutWorker):
         await self.engine.pause_generation(mode=_VLLM_PAUSE_MODES[mode], clear_cache=False)
 
     async def commit_staged(self) -> dict[str, float]:
-        """Phase 2 under the caller's pause: every vLLM worker loads its stage; where one
-        refuses it, it rolls itself back and so do those that took theirs (the engine
-        serves one version). Returns rank 0's figures."""
+        """Phase 2 under the caller's pause: every vLLM worker switches to its stage; where
+        one refuses, those that took theirs roll back (the engine serves one version).
+        Returns rank 0's figures."""
         return await self._commit(take_status=True)
 
     async def _commit(self, take_status: bool) -> dict[str, float]:
