@@ -155,8 +155,8 @@ def test_a_switch_the_server_refuses_leaves_it_serving_its_version():
     sync.switch()
     sync.stage(_weights(2), 2)
     sync.server.refuse_apply = True
-    with pytest.raises(WeightSyncError, match="failed to switch to staged version 2: .* it "
-                       "kept version 1, which it serves"):
+    with pytest.raises(WeightSyncError, match=r"failed to switch to staged version 2: .* it "
+                       r"kept version 1, which it serves"):
         sync.switch()
     assert sync.server.serves(_weights(1)) and sync.server.lifecycle[-1] == "resume"
     assert sync.server.switches[-1].released
