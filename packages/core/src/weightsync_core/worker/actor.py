@@ -28,6 +28,7 @@ from weightsync_core.data.shards.specs import LayoutSpec, weights_spec
 from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
+    AbortGate,
     build_engine,
     built_settings,
     close_engine,
@@ -131,6 +132,7 @@ class ActorCheckpointEngineMixin:
         share (they keep only that already)."""
         close_engine(getattr(self, "checkpoint_engine", None))
         self.checkpoint_engine = build_engine(config)
+        self._engine_aborts = AbortGate()
         self.checkpoint_engine_config = config
         self.colocated_server_adapter = server_adapter
         self.colocated_manifest_guard = ManifestGuard()
@@ -159,6 +161,10 @@ class ActorCheckpointEngineMixin:
                 "worker is set up, before the first sync"
             )
 
+    async def _abort_engine(self) -> None:
+        self.checkpoint_engine = await engine_after_abort(self.checkpoint_engine,
+                                                          self.checkpoint_engine_config)
+
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.api.config.BUILT_SETTINGS` answers what this process's engine
@@ -166,10 +172,9 @@ class ActorCheckpointEngineMixin:
         the delta version this rank holds a copy of (:meth:`delta_held`)."""
         self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
-            self.checkpoint_engine = await engine_after_abort(
-                self.checkpoint_engine, self.checkpoint_engine_config
-            )
+            await self._engine_aborts.run(self._abort_engine)
             return None
+        await self._engine_aborts.settled()
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.checkpoint_engine_config, self.checkpoint_engine)
         if method == DELTA_HELD and not kwargs:

@@ -4,9 +4,11 @@ failed sync, and closed."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from weightsync_core.api.config import CheckpointEngineConfig
@@ -19,6 +21,7 @@ from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.net.blocking import run_blocking
 
 __all__ = [
+    "AbortGate",
     "build_engine",
     "built_settings",
     "check_on_this_machine",
@@ -137,6 +140,30 @@ def written_for_verl(engine: CheckpointEngine) -> bool:
     options), which keeps none of weightsync's engines' guarantees about aborts and the
     memory of what it yields."""
     return not type(engine).declares_options()
+
+
+class AbortGate:
+    """A worker's abort of its engine after a failed sync, which its later engine calls wait
+    for: the abort of an engine written for verl ends by replacing it with a new one, and a
+    call of the next sync that ran meanwhile (its ``set_session_key``) went to the old one."""
+
+    def __init__(self) -> None:
+        self._running: asyncio.Future[None] | None = None
+
+    async def run(self, abort: Callable[[], Awaitable[None]]) -> None:
+        """Run ``abort()``, which the calls that :meth:`settled` meanwhile wait for."""
+        running = self._running = asyncio.ensure_future(abort())
+        try:
+            await running
+        finally:
+            if self._running is running:
+                self._running = None
+
+    async def settled(self) -> None:
+        """Wait for an abort still running (its outcome is its caller's)."""
+        running = self._running
+        if running is not None and not running.done():
+            await asyncio.wait([running])
 
 
 async def engine_after_abort(

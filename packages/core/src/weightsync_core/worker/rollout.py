@@ -21,6 +21,7 @@ from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
 from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
+    AbortGate,
     build_engine,
     built_settings,
     engine_after_abort,
@@ -79,6 +80,7 @@ class CheckpointEngineWorker:
     ) -> None:
         self.config = config
         self.checkpoint_engine = build_engine(config)
+        self._aborts = AbortGate()
         self.server_adapter = server_adapter
         self.weights_version: int | None = None
         self.update_complete = True
@@ -110,15 +112,18 @@ class CheckpointEngineWorker:
                             f"server adapter is {type(adapter).__name__}")
         return adapter
 
+    async def _abort_engine(self) -> None:
+        self.checkpoint_engine = await engine_after_abort(self.checkpoint_engine, self.config)
+
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.api.config.BUILT_SETTINGS` answers what this process's engine
         was built with (:func:`built_settings`), :data:`~weightsync_core.api.config.DELTA_HELD`
         the delta version this worker holds a copy of."""
         if method == "abort" and not kwargs:
-            self.checkpoint_engine = await engine_after_abort(self.checkpoint_engine,
-                                                               self.config)
+            await self._aborts.run(self._abort_engine)
             return None
+        await self._aborts.settled()
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.config, self.checkpoint_engine)
         if method == DELTA_HELD and not kwargs:
