@@ -320,11 +320,7 @@ class CheckpointEngineWorker:
             raise WeightSyncError(
                 f"the server failed to switch to staged version {staged.version}: {error!r}; "
                 f"it kept version {self.weights_version}, which it serves") from error
-        self.replaced_copy = StagedWeights(self.weights_version, prepared=prepared)
-        self.rollback_copy = None  # the switch is all or nothing: there is nothing to repair
-        self._replaced_manifest = self.manifest_guard.reference
-        self._accept_manifest(staged)
-        self.weights_version = staged.version
+        self._took_whole(staged, StagedWeights(self.weights_version, prepared=prepared))
         return {"num_tensors": float(len(staged)),
                 "nbytes": float(staged.nbytes - prepared.nbytes),
                 "seconds": time.perf_counter() - start}
@@ -343,13 +339,17 @@ class CheckpointEngineWorker:
             raise WeightSyncError(
                 f"the server failed to take staged version {staged.version}: {error}; it "
                 f"kept version {self.weights_version}, which it serves") from error
-        self.replaced_copy = StagedWeights(self.weights_version, list(served.items()))
-        self.rollback_copy = None  # a swap is all or nothing: there is nothing to repair
+        self._took_whole(staged, StagedWeights(self.weights_version, list(served.items())))
+        return {"num_tensors": float(len(staged)), "nbytes": float(staged.nbytes),
+                "seconds": time.perf_counter() - start}
+
+    def _took_whole(self, staged: StagedWeights, replaced: StagedWeights) -> None:
+        """After a commit that is all or nothing (a swap, a prepared switch): ``staged`` is
+        served, ``replaced`` undoes it, and there is no copy to repair a failed one from."""
+        self.replaced_copy, self.rollback_copy = replaced, None
         self._replaced_manifest = self.manifest_guard.reference
         self._accept_manifest(staged)
         self.weights_version = staged.version
-        return {"num_tensors": float(len(staged)), "nbytes": float(staged.nbytes),
-                "seconds": time.perf_counter() - start}
 
     def _accept_manifest(self, staged: StagedWeights) -> None:
         """Make ``staged``'s names, shapes and dtypes the reference the next sync is checked
@@ -372,17 +372,14 @@ class CheckpointEngineWorker:
         if previous is None:
             raise WeightSyncError("this rollout worker has no copy of the version before its "
                                   "last commit to roll back to")
-        if previous.prepared is not None:  # the server undoes the switch it applied
-            self.delta_receiver.forget()
-            previous.prepared.undo()
-            previous.release()
-            self.manifest_guard.restore(self._replaced_manifest)
-            self.weights_version = previous.version
-            return
         swap = getattr(self.server_adapter, "swap_weights", None)
-        if swap is not None:  # the server adopts its old tensors again
+        if previous.prepared is not None or swap is not None:  # all or nothing: undone
             self.delta_receiver.forget()
-            swap(dict(previous.tensors), previous.version)
+            if previous.prepared is not None:  # the server undoes the switch it applied
+                previous.prepared.undo()
+                previous.release()
+            elif swap is not None:  # the server adopts its old tensors again
+                swap(dict(previous.tensors), previous.version)
             self.manifest_guard.restore(self._replaced_manifest)
             self.weights_version = previous.version
             return
