@@ -3,7 +3,9 @@
 Importing this package (verl does, given ``custom_backend_module=weightsync_verl``) registers
 every installed weightsync backend in verl's ``CheckpointEngineRegistry`` as
 ``weightsync_<name>``; :class:`CheckpointEngineManager` is weightsync's manager for verl's
-``checkpoint_manager_class``.
+``checkpoint_manager_class``, and :class:`StagingCheckpointEngineWorker` verl's rollout
+worker that takes its staged syncs (``weightsync_verl.fully_async``: verl's fully-async
+trainer with both).
 """
 
 from weightsync_verl.engines import (
@@ -15,14 +17,22 @@ from weightsync_verl.engines import (
 )
 from weightsync_verl.groups import VerlWorkerGroup, role_prefix
 from weightsync_verl.manager import CheckpointEngineManager, weightsync_config
+from weightsync_verl.staging import (
+    StagingCheckpointEngineWorker,
+    staging_replica_class,
+    use_staging_replicas,
+)
 
 __all__ = [
     "PREFIX",
     "CheckpointEngineManager",
+    "StagingCheckpointEngineWorker",
     "VerlWorkerGroup",
     "WeightsyncCheckpointEngine",
     "register_backends",
     "role_prefix",
+    "staging_replica_class",
+    "use_staging_replicas",
     "verl_backend_name",
     "weightsync_backend_name",
     "weightsync_config",

@@ -31,6 +31,7 @@ from weightsync_core import (
     BackendState,
     CheckpointEngine,
     CheckpointEngineRegistry,
+    SyncProgress,
     TransferStats,
     new_session_key,
 )
@@ -269,6 +270,19 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
     def close(self) -> None:
         """Release everything the engine holds, listening sockets included."""
         self.engine.close()
+
+    @property
+    def progress(self) -> SyncProgress:
+        """The weightsync engine's progress, which the worker receiving through this engine
+        updates (weightsync-core's rollout worker, in a staging verl worker)."""
+        return self.engine.progress
+
+    @classmethod
+    def declares_options(cls) -> bool:
+        """True: the engine behind takes typed options and keeps weightsync's guarantees
+        (what it yields is the worker's own), which weightsync-core's rollout worker asks
+        of the engine it receives through."""
+        return True
 
     def transfer_stats(self) -> dict[str, float]:
         """What the last sync moved through this process (verl's workers discard it)."""

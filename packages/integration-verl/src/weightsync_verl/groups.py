@@ -80,14 +80,18 @@ class VerlWorkerGroup(RayWorkerGroup):
                 "verl's workers load whatever arrives: they have no manifest check to relax, so "
                 "update_weights(allow_manifest_change=True) does not apply to them"
             )
-        if any(value is not None for value in delta.values()):
-            raise ValueError(
-                "verl's workers call their engines themselves: the manager's delta plan "
-                "(CheckpointEngineConfig.delta) cannot reach them. Delta sync into verl's "
-                "workers runs under verl's own manager: engine_kwargs "
-                "{weightsync_<backend>: {delta: true}}"
-            )
+        _refuse_delta_plan(delta)
         return [self._transfer(worker, global_steps) for worker in self.workers]
+
+    def stage_weights(
+        self, global_steps: int | None = None, allow_manifest_change: bool = False,
+        **delta: str | None,
+    ) -> list[Any]:
+        """Phase 1 of a staged sync on verl workers that stage
+        (:class:`~weightsync_verl.staging.StagingCheckpointEngineWorker`)."""
+        _refuse_delta_plan(delta)
+        return [self.remote_method(worker, "stage_weights").remote(
+                    global_steps, allow_manifest_change) for worker in self.workers]
 
     def verl_update_weights(self, global_steps: int | None = None) -> list[Any]:
         """verl's own ``update_weights(global_steps=, mode=)`` on every rank (what its naive
@@ -103,3 +107,18 @@ class VerlWorkerGroup(RayWorkerGroup):
     async def _transfer(self, worker: Any, global_steps: int | None) -> Any:
         await self._verl_update(worker, global_steps)
         return await self.remote_method(worker, _ENGINE_METHOD).remote("transfer_stats")
+
+
+def _refuse_delta_plan(delta: dict[str, str | None]) -> None:
+    """verl's workers cannot take the manager's delta plan.
+
+    Raises:
+        ValueError: ``delta`` carries one.
+    """
+    if any(value is not None for value in delta.values()):
+        raise ValueError(
+            "verl's workers call their engines themselves: the manager's delta plan "
+            "(CheckpointEngineConfig.delta) cannot reach them. Delta sync into verl's "
+            "workers runs under verl's own manager: engine_kwargs "
+            "{weightsync_<backend>: {delta: true}}"
+        )

@@ -35,10 +35,12 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from weightsync_core import close_engine
+from weightsync_verl.staging import StagingCheckpointEngineWorker
 
 __all__ = [
     "RecordingCheckpointEngineWorker",
     "RecordingReplica",
+    "StagingRecordingCheckpointEngineWorker",
     "TrainerWorker",
     "VerlCluster",
     "digest",
@@ -185,6 +187,9 @@ class RecordingServerAdapter(BaseRollout):
         self.global_steps: list[int | None] = []
         self.recording = True
         """Off, updates are consumed without digests (benchmarks time the transfer)."""
+        self.refusing = 0
+        """The next updates to fail part-way (after their first tensor), a server that cannot
+        load what it was given."""
 
     async def resume(self, tags: list[str]) -> None:
         """Nothing is released."""
@@ -198,20 +203,28 @@ class RecordingServerAdapter(BaseRollout):
         self, weights: AsyncIterator[tuple[str, torch.Tensor]],
         wire_format: str = "named_tensors", **kwargs: Any,
     ) -> None:
-        """Digest every received tensor (only count them, with ``recording`` off)."""
-        received = {}
+        """Digest every received tensor (only count them, with ``recording`` off); while
+        :attr:`refusing`, fail after the first tensor, which is then held."""
+        received = self.received if self.refusing else {}
         async for name, tensor in weights:
             received[name] = digest(tensor) if self.recording else ""
+            if self.refusing:
+                self.refusing -= 1
+                raise RuntimeError("the server refused the update (the scenario's fault)")
         self.received = received
         self.global_steps.append(kwargs.get("global_steps"))
 
 
-class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
-    """verl's ``CheckpointEngineWorker`` with a :class:`RecordingServerAdapter`."""
+class _Recording:
+    """A verl rollout worker with a :class:`RecordingServerAdapter` (mixed into verl's
+    ``CheckpointEngineWorker`` and weightsync-verl's staging one)."""
+
+    server_adapter: Any
+    checkpoint_engine: Any
 
     def __init__(self, rollout_config: RolloutConfig, model_config: HFModelConfig) -> None:
         adapter = RecordingServerAdapter(rollout_config, model_config)
-        super().__init__(rollout_config, model_config, adapter)
+        super().__init__(rollout_config, model_config, adapter)  # pyright: ignore[reportCallIssue]
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def use_backend(self, config: CheckpointEngineConfig) -> None:
@@ -232,9 +245,13 @@ class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def report(self) -> dict[str, Any]:
-        """What the last update delivered, and the versions seen so far."""
+        """What the server holds (digests per tensor), and the versions it loaded."""
         recorder = self._recorder()
         return {"received": recorder.received, "global_steps": recorder.global_steps}
+
+    def refuse_updates(self, count: int = 1) -> None:
+        """Make the server fail its next ``count`` loads part-way."""
+        self._recorder().refusing = count
 
     def _recorder(self) -> RecordingServerAdapter:
         adapter = self.server_adapter
@@ -244,6 +261,15 @@ class RecordingCheckpointEngineWorker(CheckpointEngineWorker):
                 f"{type(adapter).__name__}"
             )
         return adapter
+
+
+class RecordingCheckpointEngineWorker(_Recording, CheckpointEngineWorker):
+    """verl's ``CheckpointEngineWorker`` with a :class:`RecordingServerAdapter`."""
+
+
+class StagingRecordingCheckpointEngineWorker(_Recording, StagingCheckpointEngineWorker):
+    """weightsync-verl's :class:`~weightsync_verl.staging.StagingCheckpointEngineWorker`
+    with a :class:`RecordingServerAdapter`."""
 
 
 class RecordingReplica(RolloutReplica):
@@ -310,10 +336,12 @@ class VerlCluster:
 def make_cluster(
     config: CheckpointEngineConfig, model_path: str, num_trainer: int = 2,
     num_rollout: int = 6, replica_size: int = 2, weights: str | None = None,
+    staging: bool = False,
 ) -> VerlCluster:
     """The scenario's worker groups on CPU (Ray must be running with enough CPUs).
     ``model_path``: a saved Hugging Face model (its config is the rollout's model config);
-    the trainer ranks send its weights, or ``weights`` (``synthetic:<MiB>``) if given."""
+    the trainer ranks send its weights, or ``weights`` (``synthetic:<MiB>``) if given.
+    ``staging``: the rollout workers stage (weightsync-verl's staging worker)."""
     pool = RayResourcePool(process_on_nodes=[num_trainer + num_rollout], use_gpu=False,
                            max_colocate_count=1)
     trainer_pool, rollout_pool = split_resource_pool(pool, [num_trainer, num_rollout])
@@ -322,21 +350,25 @@ def make_cluster(
         ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config,
                                                weights=weights or model_path),
     )
-    rollout, replicas = make_rollout(config, model_path, rollout_pool, replica_size)
+    rollout, replicas = make_rollout(config, model_path, rollout_pool, replica_size, staging)
     return VerlCluster(config, actor_wg, rollout, replicas, pool)
 
 
 def make_rollout(
-    config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool, replica_size: int
+    config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool, replica_size: int,
+    staging: bool = False,
 ) -> tuple[RayWorkerGroup, list[RecordingReplica]]:
-    """verl ``CheckpointEngineWorker``s (recording what arrives), one per process of
-    ``pool``, and the replicas of ``replica_size`` workers they form."""
+    """verl ``CheckpointEngineWorker``s (recording what arrives; ``staging``: weightsync-
+    verl's staging ones), one per process of ``pool``, and the replicas of ``replica_size``
+    workers they form."""
+    worker_class = (StagingRecordingCheckpointEngineWorker if staging
+                    else RecordingCheckpointEngineWorker)
     model_config = HFModelConfig(path=model_path, load_tokenizer=False)
     rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config,
                                    tensor_model_parallel_size=replica_size)
     rollout = RayWorkerGroup(
         resource_pool=pool, device_name="cpu",
-        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RecordingCheckpointEngineWorker),
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(worker_class),
                                                rollout_config=rollout_config,
                                                model_config=model_config),
     )

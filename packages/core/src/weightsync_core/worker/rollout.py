@@ -12,9 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
-from weightsync_core.api.engine import (
-    CheckpointEngineWithCache,
-)
+from weightsync_core.api.engine import CheckpointEngine, CheckpointEngineWithCache
 from weightsync_core.api.errors import WeightSyncError
 from weightsync_core.api.protocols import PreparedSwitch, ServerAdapter
 from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
@@ -57,7 +55,8 @@ class CheckpointEngineWorker:
     Use as ``ray.remote(CheckpointEngineWorker).remote(config, server_adapter)``. The adapter
     (or a subclass that sets ``self.server_adapter``) receives ``update_weights(weights_iter,
     global_steps)``. ``custom_backend_module`` is imported in this process before the
-    backend is resolved.
+    backend is resolved. ``engine``: an engine its owner built instead (a verl rollout worker
+    whose weights go through this one: ``weightsync_verl.StagingCheckpointEngineWorker``).
 
     A sync either loads into the server as it arrives (:meth:`update_weights`: the server
     is paused for all of it), or in two phases: :meth:`stage_weights` receives and checks it
@@ -76,10 +75,11 @@ class CheckpointEngineWorker:
     """
 
     def __init__(
-        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None
+        self, config: CheckpointEngineConfig, server_adapter: ServerAdapter | None = None,
+        engine: CheckpointEngine | None = None,
     ) -> None:
         self.config = config
-        self.checkpoint_engine = build_engine(config)
+        self.checkpoint_engine = engine if engine is not None else build_engine(config)
         self._aborts = AbortGate()
         self.server_adapter = server_adapter
         self.weights_version: int | None = None
