@@ -13,19 +13,26 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 from verl.checkpoint_engine import CheckpointEngineManager as VerlCheckpointEngineManager
+from verl.single_controller.ray import RayClassWithInitArgs
 from verl.workers.config import CheckpointEngineConfig
+from verl.workers.rollout import RolloutReplica
 from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
 
 from weightsync_core import SyncStageError
 from weightsync_verl import CheckpointEngineManager
 from weightsync_verl.fully_async import FullyAsyncTrainer
 from weightsync_verl.scenario import (
+    RecordingCheckpointEngineWorker,
     RecordingReplica,
     VerlCluster,
     make_cluster,
     make_manager,
 )
-from weightsync_verl.staging import StagingCheckpointEngineWorker, use_staging_replicas
+from weightsync_verl.staging import (
+    StagingCheckpointEngineWorker,
+    staging_replica_class,
+    use_staging_replicas,
+)
 
 WEIGHTSYNC_MANAGER = "weightsync_verl.CheckpointEngineManager"
 
@@ -114,22 +121,44 @@ def test_verls_manager_drives_staging_workers_stop_the_world(cluster) -> None:
     assert _served(cluster) == [expected] * 4
 
 
+class _ServedReplica(RecordingReplica):
+    """A replica building its workers as verl's replicas do (verl's own method)."""
+
+    get_ray_class_with_init_args = RolloutReplica.get_ray_class_with_init_args
+
+
+class _OwnWorkersReplica(RecordingReplica):
+    """A replica building workers of its own class."""
+
+    def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
+        return RayClassWithInitArgs(cls=ray.remote(RecordingCheckpointEngineWorker))
+
+
 def test_use_staging_replicas_gives_verls_replica_class_with_staging_workers() -> None:
     registry = RolloutReplicaRegistry._registry  # restored below
     saved = dict(registry)
     try:
+        RolloutReplicaRegistry.register("served", lambda: _ServedReplica)
         RolloutReplicaRegistry.register("recording", lambda: RecordingReplica)
-        use_staging_replicas("recording")
-        use_staging_replicas("recording")  # once is enough: not wrapped twice
-        replica_class = get_rollout_replica_class("recording")
-        assert issubclass(replica_class, RecordingReplica)
-        assert replica_class.__mro__[1] is RecordingReplica
+        use_staging_replicas("served", "recording")
+        use_staging_replicas("served")  # once is enough: not wrapped twice
+        replica_class = get_rollout_replica_class("served")
+        assert replica_class.__mro__[1] is _ServedReplica
         replica = replica_class.__new__(replica_class)
-        replica.config, replica.model_config, replica.replica_rank = None, None, 0
-        worker_class = replica.get_ray_class_with_init_args().cls
-        assert worker_class.__ray_actor_class__ is StagingCheckpointEngineWorker
+        replica.config, replica.model_config, replica.replica_rank = "rollout", "model", 3
+        built = replica.get_ray_class_with_init_args()
+        assert built.cls.__ray_actor_class__ is StagingCheckpointEngineWorker
+        assert built.kwargs == {"rollout_config": "rollout", "model_config": "model",
+                                "replica_rank": 3}  # what verl's replica gives its workers
+        other = get_rollout_replica_class("recording").__new__(
+            get_rollout_replica_class("recording"))
+        with pytest.raises(NotImplementedError):  # its own method, as it was
+            other.get_ray_class_with_init_args()
         with pytest.raises(ValueError, match="no rollout replica named 'absent'"):
             use_staging_replicas("absent")
+        own = staging_replica_class(_OwnWorkersReplica)
+        with pytest.raises(TypeError, match="builds RecordingCheckpointEngineWorker workers"):
+            own.__new__(own).get_ray_class_with_init_args()
     finally:
         registry.clear()
         registry.update(saved)

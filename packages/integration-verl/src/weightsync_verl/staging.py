@@ -136,12 +136,26 @@ def _served_by(adapter: Any) -> ServerAdapter:
 
 def staging_replica_class(replica_class: type[RolloutReplica]) -> type[RolloutReplica]:
     """``replica_class`` (a verl ``RolloutReplica``, e.g. ``vLLMReplica``) with
-    :class:`StagingCheckpointEngineWorker` as its workers."""
+    :class:`StagingCheckpointEngineWorker` as its workers (built with the arguments
+    ``replica_class`` gives verl's worker).
+
+    Raises:
+        TypeError: (when the replica builds its workers) ``replica_class`` builds workers of
+            another class than verl's ``CheckpointEngineWorker``, which a staging worker
+            would replace.
+    """
 
     def get_ray_class_with_init_args(self: RolloutReplica) -> RayClassWithInitArgs:
-        return RayClassWithInitArgs(
-            cls=ray.remote(StagingCheckpointEngineWorker), rollout_config=self.config,
-            model_config=self.model_config, replica_rank=self.replica_rank)
+        built = replica_class.get_ray_class_with_init_args(self)
+        workers: Any = getattr(built.cls, "__ray_actor_class__", built.cls)
+        if workers is not VerlCheckpointEngineWorker:
+            raise TypeError(
+                f"{replica_class.__name__} builds {getattr(workers, '__name__', workers)} "
+                "workers, not verl's "
+                "CheckpointEngineWorker: a staging replica would replace them; give it "
+                "staging calls of its own instead")
+        built.cls = ray.remote(StagingCheckpointEngineWorker)
+        return built
 
     return type(f"Staging{replica_class.__name__}", (replica_class,), {
         "get_ray_class_with_init_args": get_ray_class_with_init_args,
