@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from abc import abstractmethod
+from collections import deque
 from collections.abc import AsyncIterator, Hashable
 from typing import Any, ClassVar
 
@@ -30,7 +31,7 @@ from weightsync_core.data.topology import RingMetadata, RingPlacement, plan_ring
 from weightsync_core.engines.options import RingOptions
 from weightsync_core.engines.ring.messages import Abort, Final, RingMessage
 from weightsync_core.engines.ring.receive import RingReceiver
-from weightsync_core.engines.ring.session import RingLink, RingSession
+from weightsync_core.engines.ring.session import EARLY_MESSAGES, RingLink, RingSession
 from weightsync_core.engines.ring.slots import RegisteredSlots
 from weightsync_core.engines.typed import TypedEngine
 from weightsync_core.net.channel import ControlChannel, PeerEndpoints
@@ -83,6 +84,8 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         self._copies = self._new_copies()
         self._peers: dict[str, Hashable] = {}
         self._session: RingSession | None = None
+        self._early: deque[RingMessage] = deque(maxlen=EARLY_MESSAGES)
+        """Messages of another sync a session's reader took (:attr:`RingLink.early`)."""
 
     @classmethod
     def buckets_in_host_memory(cls, options: Any) -> int:
@@ -258,7 +261,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         if self._session is not None:
             self._session.supersede()
         link = RingLink(self._endpoints, self.local_slots, self.device, self.timeout,
-                        self.progress, self.describe(placement))
+                        self.progress, self.describe(placement), self._early)
         self._session = RingSession(link, placement)
         return self._session
 

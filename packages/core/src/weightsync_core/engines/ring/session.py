@@ -7,8 +7,9 @@ slots."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +31,11 @@ from weightsync_core.net.blocking import run_blocking
 from weightsync_core.net.channel import ControlChannel, PeerEndpoints
 from weightsync_core.net.transport import PeerTransport, RemoteBuffer
 
-__all__ = ["RingLink", "RingSession"]
+__all__ = ["EARLY_MESSAGES", "RingLink", "RingSession"]
+
+EARLY_MESSAGES = 64
+"""Messages of another sync a session's inbox reader keeps for the session that opens next
+in this process (see :attr:`RingLink.early`); older ones are dropped."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class RingLink:
         timeout: the bound of every single wait, in seconds.
         progress: where waits are reported while they last.
         where: the process in error messages (``"NixlCheckpointEngine on rollout rank 1"``).
+        early: messages of another sync that a session's reader took from the channel
+            (kept by the engine across syncs). A session of an earlier sync whose caller's
+            cancellation has not arrived yet still reads the channel, which already takes
+            the next sync's key: what it reads of the next sync (a neighbour's ``hello``,
+            sent before this process opened that sync's session) is kept here and handed
+            to the next session when it opens, instead of being lost. Authentic messages
+            only (sealed under the current key), at most :data:`EARLY_MESSAGES`.
     """
 
     endpoints: PeerEndpoints[PeerTransport, RingMessage]
@@ -55,6 +67,7 @@ class RingLink:
     timeout: float
     progress: SyncProgress
     where: str
+    early: deque[RingMessage] = field(default_factory=lambda: deque(maxlen=EARLY_MESSAGES))
 
     @property
     def channel(self) -> ControlChannel[RingMessage]:
@@ -81,6 +94,10 @@ class RingSession:
         self._downstream: Downstream | None = None
         self._connecting: asyncio.Lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        early = [message for message in link.early if message.sync == placement.sync_id]
+        link.early.clear()  # what is not this sync's belongs to none that may still open
+        for message in early:
+            self._route(message)
         self._reader = asyncio.ensure_future(self._read_inbox())
 
     # -- background work -----------------------------------------------------------------
@@ -131,17 +148,24 @@ class RingSession:
             while True:
                 message: RingMessage = await channel.receive()
                 if message.sync != self.placement.sync_id:
-                    continue  # a leftover of an earlier, aborted sync
-                if isinstance(message, BucketReady | Final | Abort):
-                    self.from_upstream.put_nowait(message)
-                elif isinstance(message, Hello) and not self._hello.done():
-                    self._hello.set_result(message)
-                elif isinstance(message, Credit) and self._downstream is not None:
-                    self._downstream.take_credit(message, self._downstream_name)
+                    # an earlier, aborted sync's leftover, or the next sync's, which may
+                    # open in this process later
+                    self.link.early.append(message)
+                    continue
+                self._route(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a member broke the protocol: nothing else is in order
             self.fail(exc)
+
+    def _route(self, message: RingMessage) -> None:
+        """Hand a message of this sync to what waits for it."""
+        if isinstance(message, BucketReady | Final | Abort):
+            self.from_upstream.put_nowait(message)
+        elif isinstance(message, Hello) and not self._hello.done():
+            self._hello.set_result(message)
+        elif isinstance(message, Credit) and self._downstream is not None:
+            self._downstream.take_credit(message, self._downstream_name)
 
     def supersede(self) -> None:
         """A newer sync started in this process while this one was still running (its
