@@ -4,7 +4,9 @@ paused; phase 2 (``commit_weights``) pauses each replica for its own switch only
 in phase 1 leaves every replica serving its version, not paused, not stale; a server that
 fails to take its stage in phase 2 is rolled back to the version it served and resumed."""
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -35,6 +37,14 @@ def harness() -> Iterator[SyncHarness]:
 
 def _lifecycles(harness: SyncHarness) -> list[list[str]]:
     return [list(report["lifecycle"]) for report in harness.reports()]
+
+
+def _until(condition: Callable[[], bool], seconds: float = 60.0) -> None:
+    """Wait until ``condition()`` holds (at most ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
 
 
 def _statuses(harness: SyncHarness) -> list[dict]:
@@ -171,9 +181,18 @@ def test_commit_each_switches_replicas_whose_stage_completed_and_together_none(h
     for manager, step in ((together, 51), (each, 52)):
         before = _lifecycles(harness)
         expected = harness.set_weights(seed=step)
-        ray.get(refusing.set_faults.remote(refuse_stage_after=len(expected) - 1))
-        with pytest.raises(SyncStageError, match=r"refused staged tensor") as info:
-            manager.update_weights_sync(global_steps=step)
+        # with "each", the refusal waits until replica 0 switched (its stage completed
+        # first), which on a loaded machine the order of arrival alone does not ensure
+        ray.get(refusing.set_faults.remote(refuse_stage_after=len(expected) - 1,
+                                           hold_stage_refusal=manager is each))
+        with ThreadPoolExecutor(1) as pool, pytest.raises(
+                SyncStageError, match=r"refused staged tensor") as info:
+            running = pool.submit(manager.update_weights_sync, global_steps=step)
+            if manager is each:
+                _until(lambda step=step, running=running: running.done()
+                       or _statuses(harness)[0]["version"] == step)
+                ray.get(refusing.release_stage_refusal.remote())
+            running.result()
         assert info.value.stage == "transfer"
         assert manager.stale_replicas == []
         lifecycles = _lifecycles(harness)

@@ -112,7 +112,9 @@ class RecordingServerAdapter:
     ``die_after`` / ``stall_after``: after that many tensors, kill this process or wait
     forever (simulating a crashed or hung inference server). ``refuse_after``: after that
     many tensors, raise once (a server that refuses one load, and takes the next);
-    ``refuse_stage_after``: the same in :meth:`check_staged_weight` (a stage refused).
+    ``refuse_stage_after``: the same in :meth:`check_staged_weight` (a stage refused);
+    with ``hold_stage_refusal``, that refusal waits for :attr:`stage_refusal_released` (a
+    test lets another replica's stage complete first).
     ``delay_per_tensor``: seconds to spend on each tensor (a slow server). These act where
     the tensors arrive: in ``update_weights``, and, in a staged sync, in
     :meth:`check_staged_weight` as they are staged (``refuse_after`` only in the load: the
@@ -132,6 +134,8 @@ class RecordingServerAdapter:
         self.stall_after: int | None = None
         self.refuse_after: int | None = None
         self.refuse_stage_after: int | None = None
+        self.hold_stage_refusal = False
+        self.stage_refusal_released = asyncio.Event()
         self.staged_count = 0
         """Tensors staged so far in the current stage."""
         self.delay_per_tensor = 0.0
@@ -158,6 +162,9 @@ class RecordingServerAdapter:
         """A staged tensor arrives: the faults of arrival act here (see the class)."""
         if self.refuse_stage_after is not None and self.staged_count >= self.refuse_stage_after:
             self.refuse_stage_after = None
+            if self.hold_stage_refusal:
+                self.hold_stage_refusal = False
+                await self.stage_refusal_released.wait()
             raise ValueError(f"the server refused staged tensor {name!r}")
         await self._arrival_faults(self.staged_count)
         self.staged_count += 1
@@ -220,10 +227,12 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         convert: bool = False,
         refuse_after: int | None = None,
         refuse_stage_after: int | None = None,
+        hold_stage_refusal: bool = False,
     ) -> None:
         """Make the server die or stall after that many tensors (``None``: behave), refuse
         its next load after ``refuse_after`` tensors (its next stage after
-        ``refuse_stage_after``), take ``delay_per_tensor`` seconds per
+        ``refuse_stage_after``; with ``hold_stage_refusal``, only once
+        :meth:`release_stage_refusal` is called), take ``delay_per_tensor`` seconds per
         tensor, skip digests (``discard``), keep every tensor until the update ends
         (``keep``), or change each in place as it loads it (``convert``)."""
         adapter = self._recorder()
@@ -231,12 +240,18 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         adapter.stall_after = stall_after
         adapter.refuse_after = refuse_after
         adapter.refuse_stage_after = refuse_stage_after
+        adapter.hold_stage_refusal = hold_stage_refusal
+        adapter.stage_refusal_released.clear()
         adapter.delay_per_tensor = delay_per_tensor
         adapter.discard = discard
         adapter.keep = keep
         adapter.convert = convert
         if not keep:
             adapter.kept.clear()
+
+    def release_stage_refusal(self) -> None:
+        """Let a held stage refusal (``set_faults(hold_stage_refusal=True)``) happen."""
+        self._recorder().stage_refusal_released.set()
 
     async def stage_weights(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The worker's own, the server's count of staged tensors (for its faults) reset."""
