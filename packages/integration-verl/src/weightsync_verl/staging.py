@@ -74,6 +74,7 @@ class StagingCheckpointEngineWorker(VerlCheckpointEngineWorker):
                 f"checkpoint_engine.backend={self.rollout_config.checkpoint_engine.backend!r} "
                 f"({type(engine).__name__}) cannot stage: staged syncs need a weightsync "
                 "backend in verl (weightsync_<name>, custom_backend_module=weightsync_verl)")
+        adapter = _served_by(self.server_adapter)
         worker = self._rollout_worker
         if worker is None:
             config = self.rollout_config.checkpoint_engine
@@ -81,9 +82,10 @@ class StagingCheckpointEngineWorker(VerlCheckpointEngineWorker):
                 CheckpointEngineConfig(
                     backend=weightsync_backend_name(config.backend),
                     update_weights_bucket_megabytes=config.update_weights_bucket_megabytes),
-                _served_by(self.server_adapter), engine=cast(CheckpointEngine, engine))
-        worker.checkpoint_engine = cast(CheckpointEngine, engine)
-        worker.server_adapter = _served_by(self.server_adapter)
+                adapter, engine=cast(CheckpointEngine, engine))
+        else:
+            worker.checkpoint_engine = cast(CheckpointEngine, engine)
+            worker.server_adapter = adapter
         return worker
 
     @register(dispatch_mode=_ONE_TO_ALL, blocking=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,7 +67,7 @@ class RingLink:
     timeout: float
     progress: SyncProgress
     where: str
-    early: deque[RingMessage] = field(default_factory=lambda: deque(maxlen=EARLY_MESSAGES))
+    early: deque[RingMessage]
 
     @property
     def channel(self) -> ControlChannel[RingMessage]:
