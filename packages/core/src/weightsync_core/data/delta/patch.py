@@ -18,13 +18,16 @@ touched.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from weightsync_core.api.checksums import device_checksum, host_checksum
 from weightsync_core.data.bucketing import as_bytes
+from weightsync_core.data.delta.kernels import diff_gather, scatter_checked
 
 __all__ = [
     "PATCH_HEADER_BYTES",
@@ -126,15 +129,42 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
         raise ValueError(f"a patch needs the same shape and dtype: new {list(new.shape)} "
                          f"{new.dtype}, baseline {list(old.shape)} {old.dtype}")
     new = new.detach().contiguous()
-    positions = diff_into(new.reshape(-1), old.reshape(-1))
-    return build_patch(new, positions)
+    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
+    digest = (_digest_thread().submit(tensor_digest, new)  # while this thread sweeps
+              if new.device.type == "cpu" and as_bytes(new).numel() >= _OVERLAPPED_DIGEST_BYTES
+              else None)
+    swept = diff_gather(flat_words(flat_new), flat_words(flat_old), _position_dtype(new.numel()))
+    positions, values = swept if swept is not None else (diff_into(flat_new, flat_old), None)
+    return build_patch(new, positions, values=values,
+                       digest=None if digest is None else digest.result())
+
+
+_OVERLAPPED_DIGEST_BYTES = 8 << 20
+"""From this size on, a host tensor's digest is taken on another thread while the sweep runs
+(both let go of the GIL): below it, handing it over costs more than it saves."""
+
+
+@functools.cache
+def _digest_thread() -> ThreadPoolExecutor:
+    """The thread that takes digests beside the sweep (one per process, started at the first
+    large delta)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-digest")
+
+
+def _position_dtype(numel: int) -> torch.dtype:
+    """How a patch of a tensor of ``numel`` elements stores positions."""
+    return torch.int32 if numel < 2**31 else torch.int64
 
 
 def diff_into(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat positions (int64, ascending) where the flat contiguous ``new`` differs bitwise
     from ``old`` (same size and dtype, on any device), compared where ``new`` lives; ``old``
-    is then updated to equal ``new`` (only the changed elements are written)."""
+    is then updated to equal ``new`` (only the changed elements are written). Host tensors
+    are swept once (:func:`~weightsync_core.data.delta.kernels.diff_gather`)."""
     new_words = flat_words(new)
+    swept = diff_gather(new_words, flat_words(old), torch.int64)
+    if swept is not None:
+        return swept[0]
     old_words = flat_words(old).to(new.device)
     positions = _changed_positions(new_words, old_words)
     values = new_words[positions]
@@ -159,11 +189,14 @@ def cheapest_kind(numel: int, changed: int, word_bytes: int) -> PatchKind:
 
 
 def build_patch(new: torch.Tensor, positions: torch.Tensor | None,
-                changed: int | None = None) -> tuple[torch.Tensor, PatchStats]:
+                changed: int | None = None, values: torch.Tensor | None = None,
+                digest: tuple[int, int] | None = None) -> tuple[torch.Tensor, PatchStats]:
     """The patch of the contiguous tensor ``new`` whose elements at the flat ``positions``
     (ascending) changed, in the cheapest encoding (:func:`cheapest_kind`), with the digest of
     the whole of ``new``. ``positions`` may be None where ``changed`` elements changed and
-    that encoding needs none (the whole tensor, or nothing).
+    that encoding needs none (the whole tensor, or nothing); ``values``, the elements at
+    ``positions`` where the caller has them already (as :func:`flat_words` reads them);
+    ``digest``, :func:`tensor_digest` of ``new`` where the caller took it.
 
     Raises:
         ValueError: ``positions`` None where the encoding needs them.
@@ -176,7 +209,7 @@ def build_patch(new: torch.Tensor, positions: torch.Tensor | None,
     if changed is None:
         raise ValueError("build_patch needs the positions or the number changed")
     kind = cheapest_kind(numel, changed, word_bytes)
-    header = _header(kind, tensor_digest(new), numel, changed, new.device)
+    header = _header(kind, digest or tensor_digest(new), numel, changed, new.device)
     if kind == PatchKind.UNCHANGED:
         return header, PatchStats(kind, numel, 0, PATCH_HEADER_BYTES)
     if kind == PatchKind.WHOLE:
@@ -185,15 +218,17 @@ def build_patch(new: torch.Tensor, positions: torch.Tensor | None,
         raise ValueError(f"a {kind.name} patch of {changed} of {numel} elements needs their "
                          "positions")
     else:
-        positions = positions.to(new.device).long()
+        positions = positions.to(new.device)
         if kind == PatchKind.POSITIONS:
-            where = positions.to(torch.int32 if numel < 2**31 else torch.int64).view(torch.uint8)
+            where = positions.to(_position_dtype(numel)).view(torch.uint8)
         else:
             changed_mask = torch.zeros(numel, dtype=torch.bool, device=new.device)
-            changed_mask[positions] = True
+            changed_mask[positions.long()] = True
             where = _pack_bits(changed_mask)
-        values = new_words[positions].view(torch.uint8)
-        sections = [_section(where, where.numel()), _section(values, changed * word_bytes)]
+        if values is None:
+            values = new_words[positions.long()]
+        sections = [_section(where, where.numel()),
+                    _section(values.to(new.device).view(torch.uint8), changed * word_bytes)]
     patch = torch.cat([header, *sections])
     return patch, PatchStats(kind, numel, changed, patch.numel())
 
@@ -278,22 +313,28 @@ def _apply_payload(payload: torch.Tensor, words: torch.Tensor, kind: PatchKind, 
         words.copy_(_typed(payload[: numel * word_bytes], words.dtype))
     elif kind != PatchKind.UNCHANGED:
         if kind == PatchKind.POSITIONS:
-            position_dtype = torch.int32 if numel < 2**31 else torch.int64
+            position_dtype = _position_dtype(numel)
             where_bytes = changed * position_dtype.itemsize
-            positions = _typed(payload[:where_bytes], position_dtype).long()
+            positions = _typed(payload[:where_bytes], position_dtype)
         else:
             where_bytes = -(-numel // 8)
             positions = _unpack_bits(payload[:where_bytes], numel).nonzero().reshape(-1)
         start = _padded(where_bytes)
         values = _typed(payload[start : start + changed * word_bytes], words.dtype)
-        if changed and (int(positions.min()) < 0 or int(positions.max()) >= numel):
-            raise ValueError(f"tensor {name!r}: the patch holds positions outside its "
-                             f"{numel} elements")
         if positions.numel() != changed or values.numel() != changed:
             raise ValueError(f"tensor {name!r}: the patch announces {changed} changed "
                              f"elements but holds {positions.numel()} positions and "
                              f"{values.numel()} values")
-        words.index_copy_(0, positions, values)
+        outside = scatter_checked(words, positions, values)
+        if outside is None:  # not a host tensor the sweep reads: torch's operators
+            positions = positions.long()
+            outside = -1 if not changed or (int(positions.min()) >= 0 and int(
+                positions.max()) < numel) else 0
+            if outside < 0:
+                words.index_copy_(0, positions, values)
+        if outside >= 0:
+            raise ValueError(f"tensor {name!r}: the patch holds positions outside its "
+                             f"{numel} elements")
 
 
 class PatchDigestError(ValueError):
