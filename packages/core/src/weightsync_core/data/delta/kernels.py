@@ -87,7 +87,10 @@ def _compiled() -> _Compiled:
     import numba  # here: a process that never sweeps never pays its import
 
     def compile_(function: Callable[..., Any]) -> Callable[..., Any]:
-        return numba.njit(nogil=True, cache=True)(function)
+        try:
+            return numba.njit(nogil=True, cache=True)(function)
+        except RuntimeError:  # no writable cache directory: compiled in this process only
+            return numba.njit(nogil=True)(function)
     return _Compiled(compile_(_diff_words), compile_(_diff_elements), compile_(_scatter))
 
 
