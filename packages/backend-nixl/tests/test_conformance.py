@@ -7,6 +7,7 @@ from weightsync_core.testing import (
     DeltaSyncConformanceTests,
     ShardedDeliveryConformanceTests,
 )
+from weightsync_core.testing.harness import SyncHarness
 
 
 class TestNixlConformance(
@@ -17,6 +18,15 @@ class TestNixlConformance(
 
     backend = "nixl"
     engine_kwargs = {"device": "cpu", "ucx_transports": "tcp"}  # noqa: RUF012
+
+    def test_each_bucket_is_copied_out_and_checked_in_one_pass(self, harness: SyncHarness):
+        expected = harness.set_weights(seed=71)
+        metrics = harness.manager().update_weights_sync(global_steps=71)
+        self.assert_delivered(harness, expected)
+        passes = {key.removeprefix("weightsync/passes/") for key in metrics
+                  if key.startswith("weightsync/passes/")}
+        assert {"pack", "sender_checksum", "write", "copy_out_checksum"} <= passes
+        assert not passes & {"copy_out", "receiver_checksum"}  # no second pass on the host
 
 
 class TestNixlShardedConformance(CheckpointEngineConformanceTests,

@@ -9,11 +9,21 @@ from weightsync_core.testing import (
     DeltaSyncConformanceTests,
     ShardedDeliveryConformanceTests,
 )
+from weightsync_core.testing.harness import SyncHarness
 
 
 class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
                           ConnectionStormTests):
     backend = "gloo"
+
+    def test_a_sync_reports_the_time_of_each_pass_over_the_bytes(self, harness: SyncHarness):
+        harness.set_weights(seed=70)
+        metrics = harness.manager().update_weights_sync(global_steps=70)
+        passes = {key.removeprefix("weightsync/passes/") for key in metrics
+                  if key.startswith("weightsync/passes/")}
+        assert {"cast", "pack", "sender_checksum", "receive", "receiver_checksum"} <= passes
+        assert all(metrics[f"weightsync/passes/{name}"] >= 0.0 for name in passes)
+        assert metrics["weightsync/passes/receive"] > 0.0
 
 
 class TestNaiveConformance(ColocatedEngineConformanceTests):

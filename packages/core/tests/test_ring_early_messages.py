@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from weightsync_core.api.engine import SyncProgress
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.data.topology import RingPlacement
 from weightsync_core.engines.ring.messages import Hello, RingMessage
 from weightsync_core.engines.ring.session import EARLY_MESSAGES, RingLink, RingSession
@@ -29,7 +30,8 @@ def _link(endpoints: PeerEndpoints, early: deque[RingMessage] | None = None) -> 
     """A link of this process; ``early``: the engine's, shared by its sessions."""
     slots = RegisteredSlots(lambda: torch.empty(0, dtype=torch.uint8), _no_transport)
     return RingLink(endpoints, slots, torch.device("cpu"), 2.0, SyncProgress(),
-                    "rollout rank 0", deque(maxlen=EARLY_MESSAGES) if early is None else early)
+                    "rollout rank 0", deque(maxlen=EARLY_MESSAGES) if early is None else early,
+                    PassTimes())
 
 
 def _placement(sync_id: str, downstream: str) -> RingPlacement:

@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 import xxhash
 
-__all__ = ["bucket_checksum", "device_checksum", "host_checksum"]
+__all__ = ["bucket_checksum", "copy_with_host_checksum", "device_checksum", "host_checksum"]
+
+_COPY_CHUNK_BYTES = 1 << 20
+"""What :func:`copy_with_host_checksum` copies before it hashes: small enough that the hash
+reads the copy from cache (L2 here is 1 MiB per core), large enough that the per-chunk
+calls cost little (1 GiB: 1024 chunks)."""
 
 
 def host_checksum(data: torch.Tensor) -> int:
@@ -17,6 +22,23 @@ def host_checksum(data: torch.Tensor) -> int:
     if data.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
     return xxhash.xxh3_64_intdigest(data.contiguous().numpy().data)
+
+
+def copy_with_host_checksum(target: torch.Tensor, source: torch.Tensor) -> int:
+    """Copy ``source`` into ``target`` (host ``uint8`` tensors of one size) and return
+    :func:`host_checksum` of the copy, in one pass: each chunk is hashed from ``target``
+    right after it is copied, while it is still in cache. What is hashed is the copy, so a
+    later write into ``source`` cannot make the checksum describe other bytes than
+    ``target`` holds."""
+    if target.numel() != source.numel():
+        raise ValueError(f"copy of {source.numel()} bytes into {target.numel()}")
+    digest = xxhash.xxh3_64()
+    copied = target.numpy().data
+    for start in range(0, target.numel(), _COPY_CHUNK_BYTES):
+        end = min(start + _COPY_CHUNK_BYTES, target.numel())
+        target[start:end].copy_(source[start:end])
+        digest.update(copied[start:end])
+    return digest.intdigest()
 
 
 _CHECKSUM_CHUNK_WORDS = 1 << 24

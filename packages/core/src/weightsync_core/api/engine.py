@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from weightsync_core.api.checksums import bucket_checksum
+from weightsync_core.api.checksums import bucket_checksum, copy_with_host_checksum
 from weightsync_core.api.dtypes import parse_rollout_dtype
 from weightsync_core.api.errors import EngineOptionsError, WeightSyncError
 from weightsync_core.api.hosts import default_host
@@ -25,6 +25,7 @@ from weightsync_core.api.options import (
     parse_options,
     unknown_option,
 )
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.api.session_key import check_session_key
 
 __all__ = [
@@ -266,6 +267,13 @@ class CheckpointEngine(ABC):
         """Updated by the worker that owns the engine; read through :meth:`sync_progress`."""
         return SyncProgress()
 
+    @functools.cached_property
+    def passes(self) -> PassTimes:
+        """Seconds this process spent in each pass over the last sync's bytes (the worker
+        that owns the engine clears it as a sync begins and reports it as it ends; engines
+        time their passes in it: :mod:`~weightsync_core.api.passes`)."""
+        return PassTimes()
+
     def set_session_key(self, key: bytes) -> None:
         """Take this sync's session key: a fresh secret the manager hands every process of
         the sync through Ray before :meth:`init_process_group`. Engines authenticate every
@@ -323,6 +331,18 @@ class CheckpointEngine(ABC):
         """Checksum of a bucket's used bytes, for verification (computed where they live:
         xxh3 on the host, a position-weighted sum on a device)."""
         return bucket_checksum(data)
+
+    def copy_with_checksum(self, target: torch.Tensor, source: torch.Tensor) -> int | None:
+        """Copy a received bucket's bytes ``source`` into ``target`` and return
+        :meth:`bucket_checksum` of the copy, in one pass over the bytes where that is the
+        host's xxh3 (:func:`~weightsync_core.api.checksums.copy_with_host_checksum`); None
+        (nothing copied) where it is not: a device bucket, or an engine with a checksum of
+        its own."""
+        own = "bucket_checksum" in vars(self) or (
+            type(self).bucket_checksum is not CheckpointEngine.bucket_checksum)
+        if own or target.device.type != "cpu" or source.device.type != "cpu":
+            return None
+        return copy_with_host_checksum(target, source)
 
     @abstractmethod
     def prepare(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
@@ -24,6 +24,8 @@ from weightsync_core.bench.measure import (
     gbps,
     median_seconds,
     method_rows,
+    pass_rows,
+    passes_of,
     sync_seconds,
     synthetic_deployment,
 )
@@ -120,6 +122,7 @@ class BenchmarkResult:
     engine_sync_seconds: float
     raw_broadcast_seconds: float
     object_store_seconds: float
+    engine_passes: dict[str, float] = field(default_factory=dict)
 
     def gbps(self, seconds: float) -> float:
         """Payload GB/s (each receiver gets ``nbytes``)."""
@@ -153,6 +156,7 @@ class BenchmarkResult:
             *method_rows(rows, self.nbytes, 32),
             f"engine / raw broadcast throughput: {derived['engine_vs_raw']:.2f}x; "
             f"engine / object store: {derived['engine_vs_object_store']:.1f}x",
+            *pass_rows({"gloo engine": self.engine_passes}),
         ])
 
 
@@ -182,7 +186,8 @@ def run_gloo_benchmark(
                              num_tensors) as (deployment, nbytes),
         raw_broadcast_group(nbytes, [{}] * (receivers + 1)) as peers,
     ):
-        engine = sync_seconds(deployment.manager(), transfer="transfer", total="total")
+        engine = sync_seconds(deployment.manager(), passes="engine", transfer="transfer",
+                              total="total")
         medians = median_seconds([engine, raw_broadcasts(peers)], repeats)
         numel = nbytes // num_tensors // 4
         state_dict = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
@@ -192,5 +197,5 @@ def run_gloo_benchmark(
         )
     return BenchmarkResult(
         nbytes, receivers, bucket_megabytes, verify, medians["transfer"], medians["total"],
-        medians["raw"], medians["object_store"],
+        medians["raw"], medians["object_store"], passes_of(medians, "engine"),
     )

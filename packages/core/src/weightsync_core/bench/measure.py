@@ -27,6 +27,8 @@ __all__ = [
     "gbps",
     "median_seconds",
     "method_rows",
+    "pass_rows",
+    "passes_of",
     "sync_seconds",
     "synthetic_deployment",
 ]
@@ -69,15 +71,47 @@ def synthetic_deployment(
         deployment.shutdown()
 
 
-def sync_seconds(manager: CheckpointEngineManager, **stages: str) -> Measurement:
+_PASSES = "weightsync/passes/"
+
+
+def sync_seconds(manager: CheckpointEngineManager, passes: str | None = None,
+                 **stages: str) -> Measurement:
     """A measurement of one sync by ``manager``: the seconds of each named stage, e.g.
-    ``sync_seconds(manager, transfer="transfer", sync="total")``."""
+    ``sync_seconds(manager, transfer="transfer", sync="total")``, and, with ``passes``, of
+    each pass over the bytes (figures ``<passes>/<pass>``: :func:`passes_of`)."""
 
     def measure(step: int) -> dict[str, float]:
         metrics = manager.update_weights_sync(global_steps=step)
-        return {name: metrics[f"weightsync/seconds/{stage}"] for name, stage in stages.items()}
+        figures = {name: metrics[f"weightsync/seconds/{stage}"]
+                   for name, stage in stages.items()}
+        if passes is not None:
+            figures |= {f"{passes}/{key.removeprefix(_PASSES)}": seconds
+                        for key, seconds in metrics.items() if key.startswith(_PASSES)}
+        return figures
 
     return measure
+
+
+def passes_of(figures: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """The passes :func:`sync_seconds` measured under ``prefix``: seconds by pass name."""
+    return {name.removeprefix(f"{prefix}/"): seconds for name, seconds in figures.items()
+            if name.startswith(f"{prefix}/")}
+
+
+def pass_rows(columns: Mapping[str, Mapping[str, float]], width: int = 20) -> list[str]:
+    """The per-pass breakdown of one or more measured syncs (``columns``: a heading and the
+    seconds of each pass): the longest any process of the sync spent in each pass; passes
+    overlap, so they may add up to more than the sync."""
+    names = sorted({name for passes in columns.values() for name in passes})
+    if not names:
+        return []
+    return [
+        "per pass (the longest any process spent in it, median seconds; passes overlap):",
+        f"  {'pass':{width}}" + "".join(f" {heading:>12}" for heading in columns),
+        *(f"  {name:{width}}" + "".join(f" {passes.get(name, 0.0):12.3f}"
+                                        for passes in columns.values())
+          for name in names),
+    ]
 
 
 def median_seconds(

@@ -22,6 +22,8 @@ from weightsync_core.bench.measure import (
     bench_config,
     median_seconds,
     method_rows,
+    pass_rows,
+    passes_of,
     sync_seconds,
     synthetic_deployment,
 )
@@ -73,6 +75,8 @@ class RingBenchmarkResult:
     one_receiver_seconds: float = 0.0
     many_receivers_seconds: float = 0.0
     raw_seconds: float = 0.0
+    one_receiver_passes: dict[str, float] = field(default_factory=dict)
+    many_receivers_passes: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Result with derived ratios: ``engine_vs_raw`` (throughput, 1 receiver; target
@@ -100,6 +104,8 @@ class RingBenchmarkResult:
             f"engine (1 worker) / raw throughput: {derived['engine_vs_raw']:.2f}x (target >= 0.8)",
             f"{self.receivers} workers / 1 worker time: {derived['many_vs_one']:.2f}x "
             "(target <= 1.3)",
+            *pass_rows({"1 worker": self.one_receiver_passes,
+                        f"{self.receivers} workers": self.many_receivers_passes}),
         ])
 
 
@@ -144,10 +150,12 @@ def run_ring_benchmark(
                              num_tensors) as (deployment, nbytes),
         raw_writes(config, nbytes) as raw,
     ):
-        one = sync_seconds(deployment.manager(deployment.replicas[:1]), one="transfer")
-        many = sync_seconds(deployment.manager(), many="transfer")
+        one = sync_seconds(deployment.manager(deployment.replicas[:1]), passes="one",
+                           one="transfer")
+        many = sync_seconds(deployment.manager(), passes="many", many="transfer")
         medians = median_seconds([one, many, raw], repeats)
     return RingBenchmarkResult(
         backend, nbytes, receivers, bucket_megabytes, verify, kwargs,
         medians["one"], medians["many"], medians["raw"],
+        passes_of(medians, "one"), passes_of(medians, "many"),
     )

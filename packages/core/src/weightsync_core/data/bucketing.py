@@ -18,12 +18,14 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 import torch
 
 from weightsync_core.api.engine import WeightsSource
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.net.blocking import run_blocking
 
 T = TypeVar("T")
@@ -255,6 +257,8 @@ class BucketPacker:
         grow: returns one more buffer of the same size, when packing needs one.
         rollout_dtype: cast floating-point tensors to this dtype first.
         checksum: if set, computes each bucket's checksum for verification.
+        passes: where the cast, the packing copy and the checksum are timed (``cast``,
+            ``pack``, ``sender_checksum``), if given.
         direct_min_bytes: send tensors at least this large without packing (None: never).
         manifest: after packing, ``(name, shape, dtype)`` of every tensor sent.
         nbytes / num_tensors / num_buckets: counters after packing (``nbytes``: the
@@ -266,6 +270,7 @@ class BucketPacker:
     checksum: Callable[[torch.Tensor], int] | None = None
     direct_min_bytes: int | None = None
     grow: Callable[[], torch.Tensor] | None = None
+    passes: PassTimes | None = None
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
@@ -285,7 +290,8 @@ class BucketPacker:
         metas: list[TensorMeta] = []
         offset = end = 0
         async for name, tensor in iter_named_tensors(weights):
-            tensor = cast_for_rollout(tensor, self.rollout_dtype)
+            with self._timed("cast"):
+                tensor = cast_for_rollout(tensor, self.rollout_dtype)
             data = as_bytes(tensor)
             total = data.numel()
             shape = tuple(tensor.shape)
@@ -311,9 +317,9 @@ class BucketPacker:
             while True:
                 piece = min(total - position, self.bucket_size - offset)
                 buffer = self._buffer(self._packed)
-                await _offloaded(
-                    piece, buffer[offset : offset + piece].copy_, data[position : position + piece]
-                )
+                with self._timed("pack"):
+                    await _offloaded(piece, buffer[offset : offset + piece].copy_,
+                                     data[position : position + piece])
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
                 offset = _align(end)
@@ -323,6 +329,10 @@ class BucketPacker:
                 yield await self._flush(metas, end)
                 metas, offset, end = [], 0, 0
         yield await self._flush(metas, end)
+
+    def _timed(self, name: str) -> AbstractContextManager[None]:
+        """Time pass ``name`` where the packer has ``passes``."""
+        return nullcontext() if self.passes is None else self.passes.timed(name)
 
     def _buffer(self, index: int) -> torch.Tensor:
         if self.grow is None:
@@ -341,7 +351,8 @@ class BucketPacker:
     ) -> PackedBucket:
         meta = BucketMeta(self.num_buckets, nbytes, metas)
         if self.checksum is not None:
-            meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
+            with self._timed("sender_checksum"):
+                meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
         self.num_buckets += 1
         self.nbytes += sum(piece.nbytes for piece in metas)
         return PackedBucket(buffer, meta, direct)

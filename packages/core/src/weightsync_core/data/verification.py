@@ -34,8 +34,12 @@ class DeliveryVerifier:
         """Raise if the bucket's bytes do not match the sender's checksum."""
         if meta.checksum is None:
             return
-        actual = self._checksum(data)
-        if actual != meta.checksum:
+        self.check_checksum(self._checksum(data), meta, source=source)
+
+    def check_checksum(self, actual: int, meta: BucketMeta, *, source: str) -> None:
+        """Raise if ``actual``, the checksum of the bucket's bytes as received, is not the
+        sender's."""
+        if meta.checksum is not None and actual != meta.checksum:
             names = sorted({tensor.name for tensor in meta.tensors})
             raise VerificationError(
                 f"bucket {meta.index} from {source} is corrupt (checksum {actual:#018x}, "

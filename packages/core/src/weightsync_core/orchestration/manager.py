@@ -19,6 +19,7 @@ import ray
 from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
 from weightsync_core.api.engine import CheckpointEngineWithCache
 from weightsync_core.api.errors import MetadataError, SyncStageError, WeightSyncError
+from weightsync_core.api.passes import pass_metrics
 from weightsync_core.api.plugins import load_custom_backend_module
 from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.api.registry import CheckpointEngineRegistry
@@ -1113,6 +1114,8 @@ class CheckpointEngineManager:
             ),
             "weightsync/gbps": nbytes / total / 1e9 if total else 0.0,
         })
+        metrics.update(pass_metrics(
+            report for round_ in rounds for report in (*round_.sent, *round_.loaded)))
         return metrics
 
     def _replica_calls(self, replicas: list[RolloutReplica], method: str

@@ -4,12 +4,14 @@ manifest before the server sees each tensor, and the server held to consuming th
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import torch
 
 from weightsync_core.api.engine import SyncProgress, TransferStats
 from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.api.protocols import ServerAdapter
 from weightsync_core.data.verification import ManifestGuard
 
@@ -22,11 +24,13 @@ async def deliver_weights(
     global_steps: int | None,
     guard: ManifestGuard,
     progress: SyncProgress,
+    passes: PassTimes | None = None,
 ) -> TransferStats:
     """Feed received weights to ``adapter`` while counting them and checking each against
     the previous sync's (``guard``: a changed tensor is refused before the server sees it;
     an empty stream fails); check the adapter consumed them all. The stream becomes the
-    guard's reference only when the adapter returned without error."""
+    guard's reference only when the adapter returned without error. The time the adapter
+    spends on the tensors it is handed is the ``load`` pass of ``passes``, if given."""
     if adapter is None:
         raise WeightSyncError(
             "this worker has no server adapter to load weights into; pass server_adapter= or "
@@ -43,7 +47,10 @@ async def deliver_weights(
             stats.num_tensors += 1
             stats.nbytes += tensor.numel() * tensor.element_size()
             progress.enter("loading")
+            handed = time.perf_counter()
             yield name, tensor
+            if passes is not None:
+                passes.add("load", time.perf_counter() - handed)
             progress.tensors += 1
             progress.enter("receiving")
         guard.finish()

@@ -170,12 +170,14 @@ class CheckpointEngineWorker:
         (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
         self._drop_stage()  # this version is newer than any stage
         engine = self.checkpoint_engine
+        engine.passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
                                              in_place=self._patchable_weights(plan))
         stats = await self._load(weights, global_steps, allow_manifest_change)
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
+        stats.update(engine.passes.as_dict())
         return stats
 
     async def update_weights_from_cache(
@@ -216,6 +218,7 @@ class CheckpointEngineWorker:
         self._drop_stage()  # this version is newer; the delta copy, if any, still holds its
         self.forget_replaced()  # version, verified: the sender may patch against it
         engine = self.checkpoint_engine
+        engine.passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
             self.delta_receiver.detach_from_server()
@@ -235,6 +238,7 @@ class CheckpointEngineWorker:
         self.staged = staged
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
+        stats.update(engine.passes.as_dict())
         return stats
 
     async def commit_staged(self) -> dict[str, float]:
@@ -427,8 +431,9 @@ class CheckpointEngineWorker:
         self.manifest_guard.start(allow_change=allow_manifest_change)
         if written_for_verl(self.checkpoint_engine):
             weights = _owned_copies(weights)
+        engine = self.checkpoint_engine
         stats = await deliver_weights(self.server_adapter, weights, global_steps,
-                                      self.manifest_guard, self.checkpoint_engine.progress)
+                                      self.manifest_guard, engine.progress, engine.passes)
         self.update_complete = True
         self.weights_version = global_steps
         return stats.as_dict()

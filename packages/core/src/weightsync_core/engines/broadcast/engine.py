@@ -208,6 +208,7 @@ class CollectiveBroadcastCheckpointEngine(
             packer = BucketPacker(
                 self._send_buffers, self.rollout_dtype,
                 self.bucket_checksum if self.verify else None, self.direct_min_bytes,
+                passes=self.passes,
             )
             await self._send_buckets(group, packer, weights, in_flight)
             if not packer.num_tensors:
@@ -251,7 +252,8 @@ class CollectiveBroadcastCheckpointEngine(
         )
         try:
             while True:
-                message, data = await pending
+                with self.passes.timed("receive"):
+                    message, data = await pending
                 pending = None
                 if not isinstance(message, BucketMessage):
                     self._end_stream(group, message, verifier, unpacker)
@@ -260,7 +262,8 @@ class CollectiveBroadcastCheckpointEngine(
                 index += 1
                 pending = asyncio.ensure_future(self._receive_message(group, buffers.take(index)))
                 if self.verify:
-                    verifier.check_bucket(data, message.meta, source=group.sender)
+                    with self.passes.timed("receiver_checksum"):
+                        verifier.check_bucket(data, message.meta, source=group.sender)
                 for item in unpacker.unpack(data, message.meta):
                     verifier.record(*item)
                     yield item

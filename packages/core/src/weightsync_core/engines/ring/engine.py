@@ -161,7 +161,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         session = self._open_session(placement)
         packer = BucketPacker(
             self.local_slots.buffers, self.rollout_dtype,
-            self.bucket_checksum if self.verify else None,
+            self.bucket_checksum if self.verify else None, passes=self.passes,
         )
         try:
             await self._send_buckets(session, packer, weights)
@@ -191,7 +191,8 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         peer writes into registered memory later reaches it. A copy the consumer still
         views is never reused, so kept tensors are never overwritten."""
         session = self._open_session(self._require_placement(sender=False))
-        receiver = RingReceiver(session, self.bucket_checksum, self.verify, self._copies)
+        receiver = RingReceiver(session, self.bucket_checksum, self.verify, self._copies,
+                                self.copy_with_checksum)
         try:
             await receiver.greet()
             while not isinstance(message := await receiver.next_message(), Final):
@@ -261,7 +262,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         if self._session is not None:
             self._session.supersede()
         link = RingLink(self._endpoints, self.local_slots, self.device, self.timeout,
-                        self.progress, self.describe(placement), self._early)
+                        self.progress, self.describe(placement), self._early, self.passes)
         self._session = RingSession(link, placement)
         return self._session
 

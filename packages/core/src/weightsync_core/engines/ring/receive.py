@@ -10,7 +10,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from weightsync_core.api.errors import SenderAbortedError, TransferError, WeightSyncError
-from weightsync_core.data.bucketing import BucketMeta, BucketUnpacker, ReceiveBuffers, copy_bytes
+from weightsync_core.data.bucketing import (
+    OFFLOAD_BYTES,
+    BucketMeta,
+    BucketUnpacker,
+    ReceiveBuffers,
+    copy_bytes,
+)
 from weightsync_core.data.devices import synchronize_device
 from weightsync_core.data.verification import DeliveryVerifier
 from weightsync_core.engines.ring.messages import Abort, BucketReady, Credit, Final, Hello
@@ -35,10 +41,15 @@ class RingReceiver:
         checksum: the sync's bucket checksum, as the sender computed it.
         verify: check each bucket's checksum and the delivery against the manifest.
         copies: the buffers buckets are copied into (reused only while nothing views them).
+        copy_with_checksum: copies a bucket and returns ``checksum`` of the copy in one pass,
+            or returns None without copying where it cannot
+            (:meth:`~weightsync_core.api.engine.CheckpointEngine.copy_with_checksum`).
     """
 
     def __init__(self, session: RingSession, checksum: Callable[[torch.Tensor], int],
-                 verify: bool, copies: ReceiveBuffers) -> None:
+                 verify: bool, copies: ReceiveBuffers,
+                 copy_with_checksum: Callable[[torch.Tensor, torch.Tensor], int | None],
+                 ) -> None:
         self.session = session
         self.link = session.link
         self.placement = placement = session.placement
@@ -47,6 +58,7 @@ class RingReceiver:
         self.upstream, self.upstream_name = placement.upstream, placement.upstream_name
         self.verify = verify
         self.copies = copies
+        self.copy_with_checksum = copy_with_checksum
         self.unpacker = BucketUnpacker(copy=False)
         self.verifier = DeliveryVerifier(checksum)
         self.forward: asyncio.Task | None = None
@@ -81,7 +93,8 @@ class RingReceiver:
 
     async def accept(self, message: BucketReady) -> torch.Tensor:
         """Check an announced bucket, start forwarding it, copy it out of its slot and
-        verify the copy; returns the copy's bytes (the slot is credited back meanwhile)."""
+        verify the copy (copy and checksum in one pass on the host; on a device, the check
+        runs while the slot is credited back); returns the copy's bytes."""
         meta, slot = message.meta, message.slot
         self._check_announcement(meta, slot)
         self.expected += 1
@@ -92,15 +105,26 @@ class RingReceiver:
                 self.session.forward_bucket(data, meta, self.forward)
             )
         copy = self.copies.take(meta.index)[: meta.nbytes]
-        await copy_bytes(copy, data)
-        synchronize_device(self.link.device)
+        if self.verify and meta.checksum is not None:
+            with self.link.passes.timed("copy_out_checksum"):
+                actual = (await run_blocking(self.copy_with_checksum, copy, data)
+                          if meta.nbytes >= OFFLOAD_BYTES else self.copy_with_checksum(copy, data))
+            if actual is not None:
+                del data
+                self.session.spawn(self._credit(slot, self.forward))
+                self.verifier.check_checksum(actual, meta, source=self.upstream_name)
+                return copy
+        with self.link.passes.timed("copy_out"):
+            await copy_bytes(copy, data)
+            synchronize_device(self.link.device)
         del data
         self.session.spawn(self._credit(slot, self.forward))
         if self.verify:
             # on a worker thread: the loop keeps forwarding and crediting meanwhile
-            await run_blocking(
-                self.verifier.check_bucket, copy, meta, source=self.upstream_name
-            )
+            with self.link.passes.timed("receiver_checksum"):
+                await run_blocking(
+                    self.verifier.check_bucket, copy, meta, source=self.upstream_name
+                )
         return copy
 
     def deliver(

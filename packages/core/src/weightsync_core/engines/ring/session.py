@@ -16,6 +16,7 @@ import torch
 
 from weightsync_core.api.engine import SyncProgress
 from weightsync_core.api.errors import TransferError
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.data.bucketing import BucketMeta
 from weightsync_core.data.topology import RingPlacement
 from weightsync_core.engines.ring.messages import (
@@ -59,6 +60,7 @@ class RingLink:
             sent before this process opened that sync's session) is kept here and handed
             to the next session when it opens, instead of being lost. Authentic messages
             only (sealed under the current key), at most :data:`EARLY_MESSAGES`.
+        passes: where the sync's passes over its bytes are timed (the engine's).
     """
 
     endpoints: PeerEndpoints[PeerTransport, RingMessage]
@@ -68,6 +70,7 @@ class RingLink:
     progress: SyncProgress
     where: str
     early: deque[RingMessage]
+    passes: PassTimes
 
     @property
     def channel(self) -> ControlChannel[RingMessage]:
@@ -256,10 +259,11 @@ class RingSession:
         """One bounded one-sided write to the downstream neighbour; failures name it."""
         name, timeout = self._downstream_name, self.link.timeout
         try:
-            await self.wait(
-                run_blocking(self.link.transport.write, peer, data, target, timeout),
-                timeout=timeout + 5, on_timeout=stage, peer=name,
-            )
+            with self.link.passes.timed("write"):
+                await self.wait(
+                    run_blocking(self.link.transport.write, peer, data, target, timeout),
+                    timeout=timeout + 5, on_timeout=stage, peer=name,
+                )
         except TransferError as exc:
             if exc.peer:  # already names the peer (a timeout of this wait)
                 raise
