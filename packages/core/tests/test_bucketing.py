@@ -12,10 +12,14 @@ from weightsync_core.testing import digests, make_weights
 BUCKET = 64 << 10
 
 
-def roundtrip(weights, bucket=BUCKET, rollout_dtype=None, direct_min_bytes=None):
-    """Pack into two buffers and unpack each bucket before the buffer is reused."""
-    buffers = [torch.empty(bucket, dtype=torch.uint8) for _ in range(2)]
-    packer = BucketPacker(buffers, rollout_dtype, host_checksum, direct_min_bytes)
+def roundtrip(weights, bucket=BUCKET, rollout_dtype=None, direct_min_bytes=None,
+              hash_while_packing=False):
+    """Pack into two buffers (holding junk, as the gaps between tensors do) and unpack each
+    bucket before the buffer is reused; each bucket's checksum is checked against its
+    bytes."""
+    buffers = [torch.randint(0, 256, (bucket,), dtype=torch.uint8) for _ in range(2)]
+    packer = BucketPacker(buffers, rollout_dtype, host_checksum, direct_min_bytes,
+                          hash_while_packing=hash_while_packing)
     unpacker = BucketUnpacker()
 
     async def run():
@@ -31,9 +35,10 @@ def roundtrip(weights, bucket=BUCKET, rollout_dtype=None, direct_min_bytes=None)
     return received, packer
 
 
-def test_standard_profile_roundtrips_bit_exact():
+@pytest.mark.parametrize("hash_while_packing", [False, True])
+def test_standard_profile_roundtrips_bit_exact(hash_while_packing):
     weights = make_weights(seed=7, bucket_size=BUCKET)
-    received, packer = roundtrip(weights)
+    received, packer = roundtrip(weights, hash_while_packing=hash_while_packing)
     assert digests(received) == digests(weights)
     assert list(received) == list(weights)
     assert packer.num_tensors == len(weights)
@@ -47,9 +52,11 @@ def test_the_packers_byte_count_is_the_tensors_bytes_without_alignment():
     assert packer.nbytes == sum(t.numel() * t.element_size() for t in weights.values())
 
 
-def test_tensor_larger_than_bucket_is_chunked_and_merged():
+@pytest.mark.parametrize("hash_while_packing", [False, True])
+def test_tensor_larger_than_bucket_is_chunked_and_merged(hash_while_packing):
     big = torch.arange(10 * BUCKET // 4 + 3, dtype=torch.float32)
-    received, packer = roundtrip({"a": torch.ones(5), "big": big, "b": torch.zeros(2)})
+    received, packer = roundtrip({"a": torch.ones(5), "big": big, "b": torch.zeros(2)},
+                                 hash_while_packing=hash_while_packing)
     assert torch.equal(received["big"], big)
     assert packer.num_buckets >= 11
 
@@ -144,10 +151,12 @@ def test_large_tensors_are_sent_from_their_own_memory_without_a_copy():
     assert pointers[0] == big.data_ptr() and len(pointers) == 4
 
 
-def test_direct_and_packed_buckets_interleave_bit_exact():
+@pytest.mark.parametrize("hash_while_packing", [False, True])
+def test_direct_and_packed_buckets_interleave_bit_exact(hash_while_packing):
     weights = make_weights(seed=9, bucket_size=BUCKET)
     weights["model.mid"] = torch.randn(BUCKET // 4 // 2)  # exactly half a bucket: direct
-    received, _ = roundtrip(weights, direct_min_bytes=BUCKET // 2)
+    received, _ = roundtrip(weights, direct_min_bytes=BUCKET // 2,
+                            hash_while_packing=hash_while_packing)
     assert digests(received) == digests(weights)
 
 

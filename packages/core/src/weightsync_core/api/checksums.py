@@ -7,12 +7,49 @@ from __future__ import annotations
 import torch
 import xxhash
 
-__all__ = ["bucket_checksum", "copy_with_host_checksum", "device_checksum", "host_checksum"]
+__all__ = [
+    "HostDigest",
+    "bucket_checksum",
+    "copy_with_host_checksum",
+    "device_checksum",
+    "host_checksum",
+]
 
 _COPY_CHUNK_BYTES = 1 << 20
-"""What :func:`copy_with_host_checksum` copies before it hashes: small enough that the hash
-reads the copy from cache (L2 here is 1 MiB per core), large enough that the per-chunk
-calls cost little (1 GiB: 1024 chunks)."""
+"""What :meth:`HostDigest.copy` copies before it hashes: small enough that the hash reads
+the copy from cache (L2 here is 1 MiB per core), large enough that the per-chunk calls cost
+little (1 GiB: 1024 chunks)."""
+
+
+class HostDigest:
+    """:func:`host_checksum` of bytes fed in order, in pieces: :meth:`feed` bytes already
+    in place, :meth:`copy` bytes while they are copied."""
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_64()
+
+    def feed(self, data: torch.Tensor) -> None:
+        """Hash the host ``uint8`` tensor ``data`` next."""
+        if data.numel():
+            self._state.update(data.contiguous().numpy().data)
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` into ``target`` (host ``uint8`` tensors of one size) and hash the
+        copy next, in one pass: each chunk is hashed from ``target`` right after it is
+        copied, while it is still in cache. What is hashed is the copy, so a later write
+        into ``source`` cannot make the checksum describe other bytes than ``target``
+        holds."""
+        if target.numel() != source.numel():
+            raise ValueError(f"copy of {source.numel()} bytes into {target.numel()}")
+        copied = target.numpy().data
+        for start in range(0, target.numel(), _COPY_CHUNK_BYTES):
+            end = min(start + _COPY_CHUNK_BYTES, target.numel())
+            target[start:end].copy_(source[start:end])
+            self._state.update(copied[start:end])
+
+    def value(self) -> int:
+        """The checksum of everything fed so far."""
+        return self._state.intdigest()
 
 
 def host_checksum(data: torch.Tensor) -> int:
@@ -30,15 +67,9 @@ def copy_with_host_checksum(target: torch.Tensor, source: torch.Tensor) -> int:
     right after it is copied, while it is still in cache. What is hashed is the copy, so a
     later write into ``source`` cannot make the checksum describe other bytes than
     ``target`` holds."""
-    if target.numel() != source.numel():
-        raise ValueError(f"copy of {source.numel()} bytes into {target.numel()}")
-    digest = xxhash.xxh3_64()
-    copied = target.numpy().data
-    for start in range(0, target.numel(), _COPY_CHUNK_BYTES):
-        end = min(start + _COPY_CHUNK_BYTES, target.numel())
-        target[start:end].copy_(source[start:end])
-        digest.update(copied[start:end])
-    return digest.intdigest()
+    digest = HostDigest()
+    digest.copy(target, source)
+    return digest.value()
 
 
 _CHECKSUM_CHUNK_WORDS = 1 << 24

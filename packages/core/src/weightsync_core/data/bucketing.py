@@ -24,6 +24,7 @@ from typing import ClassVar, TypeVar
 
 import torch
 
+from weightsync_core.api.checksums import HostDigest
 from weightsync_core.api.engine import WeightsSource
 from weightsync_core.api.passes import PassTimes
 from weightsync_core.net.blocking import run_blocking
@@ -259,6 +260,11 @@ class BucketPacker:
         checksum: if set, computes each bucket's checksum for verification.
         passes: where the cast, the packing copy and the checksum are timed (``cast``,
             ``pack``, ``sender_checksum``), if given.
+        hash_while_packing: with ``checksum``, take the checksum of a packed bucket in
+            host memory as its bytes are copied in, in the same pass
+            (:class:`~weightsync_core.api.checksums.HostDigest`), instead of ``checksum``:
+            only where ``checksum`` is the host's xxh3
+            (:meth:`~weightsync_core.api.engine.CheckpointEngine.hashes_on_host`).
         direct_min_bytes: send tensors at least this large without packing (None: never).
         manifest: after packing, ``(name, shape, dtype)`` of every tensor sent.
         nbytes / num_tensors / num_buckets: counters after packing (``nbytes``: the
@@ -271,6 +277,7 @@ class BucketPacker:
     direct_min_bytes: int | None = None
     grow: Callable[[], torch.Tensor] | None = None
     passes: PassTimes | None = None
+    hash_while_packing: bool = False
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     nbytes: int = 0
     num_tensors: int = 0
@@ -284,6 +291,10 @@ class BucketPacker:
             raise ValueError(f"buffers must share one size of at least {ALIGNMENT} bytes")
         self.bucket_size = sizes.pop()
         self._packed = 0
+        self._digest: HostDigest | None = None
+        """The packed bucket's checksum so far (``hash_while_packing``), of its bytes up to
+        ``_hashed``."""
+        self._hashed = 0
 
     async def pack(self, weights: WeightsSource) -> AsyncIterator[PackedBucket]:
         """Yield filled buckets for ``weights``; the last one may be partly filled or empty."""
@@ -318,7 +329,7 @@ class BucketPacker:
                 piece = min(total - position, self.bucket_size - offset)
                 buffer = self._buffer(self._packed)
                 with self._timed("pack"):
-                    await _offloaded(piece, buffer[offset : offset + piece].copy_,
+                    await _offloaded(piece, self._copy_in, buffer, offset,
                                      data[position : position + piece])
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
@@ -329,6 +340,24 @@ class BucketPacker:
                 yield await self._flush(metas, end)
                 metas, offset, end = [], 0, 0
         yield await self._flush(metas, end)
+
+    def _copy_in(self, buffer: torch.Tensor, offset: int, piece: torch.Tensor) -> None:
+        """Copy ``piece`` into ``buffer`` at ``offset``; hashing while packing, the bytes
+        before it (alignment) and the copy go into the bucket's checksum."""
+        target = buffer[offset : offset + piece.numel()]
+        if not (self.hash_while_packing and self.checksum is not None
+                and buffer.device.type == "cpu"):
+            target.copy_(piece)
+            return
+        if self._digest is None:
+            self._digest, self._hashed = HostDigest(), 0
+        self._digest.feed(buffer[self._hashed : offset])
+        if piece.device.type == "cpu":
+            self._digest.copy(target, piece)
+        else:  # from a device: copied, then hashed
+            target.copy_(piece)
+            self._digest.feed(target)
+        self._hashed = offset + piece.numel()
 
     def _timed(self, name: str) -> AbstractContextManager[None]:
         """Time pass ``name`` where the packer has ``passes``."""
@@ -344,13 +373,21 @@ class BucketPacker:
     async def _flush(self, metas: list[TensorMeta], nbytes: int) -> PackedBucket:
         buffer = self._buffer(self._packed)
         self._packed += 1
-        return await self._bucket(buffer, metas, nbytes)
+        digest, self._digest = self._digest, None
+        if digest is None:
+            return await self._bucket(buffer, metas, nbytes)
+        digest.feed(buffer[self._hashed : nbytes])
+        return await self._bucket(buffer, metas, nbytes, checksum=digest.value())
 
     async def _bucket(
-        self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int, direct: bool = False
+        self, buffer: torch.Tensor, metas: list[TensorMeta], nbytes: int, direct: bool = False,
+        checksum: int | None = None,
     ) -> PackedBucket:
+        """Bucket ``buffer[:nbytes]``, with ``checksum`` where it was taken while packing."""
         meta = BucketMeta(self.num_buckets, nbytes, metas)
-        if self.checksum is not None:
+        if checksum is not None:
+            meta.checksum = checksum
+        elif self.checksum is not None:
             with self._timed("sender_checksum"):
                 meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
         self.num_buckets += 1

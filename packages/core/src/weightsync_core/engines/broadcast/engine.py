@@ -208,7 +208,7 @@ class CollectiveBroadcastCheckpointEngine(
             packer = BucketPacker(
                 self._send_buffers, self.rollout_dtype,
                 self.bucket_checksum if self.verify else None, self.direct_min_bytes,
-                passes=self.passes,
+                passes=self.passes, hash_while_packing=self.hashes_on_host(self._send_buffers[0]),
             )
             await self._send_buckets(group, packer, weights, in_flight)
             if not packer.num_tensors:

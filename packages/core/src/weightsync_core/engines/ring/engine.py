@@ -162,6 +162,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         packer = BucketPacker(
             self.local_slots.buffers, self.rollout_dtype,
             self.bucket_checksum if self.verify else None, passes=self.passes,
+            hash_while_packing=self.hashes_on_host(self.local_slots.buffers[0]),
         )
         try:
             await self._send_buckets(session, packer, weights)
