@@ -27,6 +27,17 @@ class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformance
             ("replica", 1),),
     }
 
+    def test_each_bucket_is_hashed_as_it_is_packed_and_as_it_is_copied_out(
+        self, harness: SyncHarness
+    ) -> None:
+        expected = harness.set_weights(seed=32)
+        metrics = harness.manager().update_weights_sync(global_steps=32)
+        self.assert_delivered(harness, expected)
+        passes = {key.removeprefix("weightsync/passes/") for key in metrics
+                  if key.startswith("weightsync/passes/")}
+        assert {"pack", "copy_out_checksum"} <= passes
+        assert not passes & {"sender_checksum", "copy_out", "receiver_checksum"}
+
     def test_every_actor_rank_serves_a_share(self, harness: SyncHarness) -> None:
         expected = harness.set_weights(seed=30)
         harness.manager().update_weights_sync(global_steps=30)

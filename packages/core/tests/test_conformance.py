@@ -22,7 +22,6 @@ class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformance
         passes = {key.removeprefix("weightsync/passes/") for key in metrics
                   if key.startswith("weightsync/passes/")}
         assert {"cast", "pack", "receive", "receiver_checksum"} <= passes
-        assert "sender_checksum" not in passes  # hashed while packed, in one pass
         assert all(metrics[f"weightsync/passes/{name}"] >= 0.0 for name in passes)
         assert metrics["weightsync/passes/receive"] > 0.0
 

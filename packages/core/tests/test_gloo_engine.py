@@ -173,15 +173,31 @@ def test_consumer_that_keeps_every_tensor_never_sees_them_overwritten():
 def test_streaming_consumer_reuses_three_receive_buffers():
     from weightsync_core.data.bucketing import ReceiveBuffers
 
-    buffers = ReceiveBuffers(lambda: torch.zeros(16, dtype=torch.uint8))
+    buffers = ReceiveBuffers(lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
     held = None
     for index in range(10):
-        held = buffers.take(index)[:4]  # the consumer holds a view of the latest bucket
+        held = buffers.take(index, 16)[:4]  # the consumer holds a view of the latest bucket
     assert buffers.allocations == 3
-    kept = buffers.take(10)[:2]  # slot 1 stays viewed, so bucket 13 must not reuse it
-    assert buffers.take(13).data_ptr() != kept.data_ptr()
+    kept = buffers.take(10, 16)[:2]  # slot 1 stays viewed, so bucket 13 must not reuse it
+    assert buffers.take(13, 16).data_ptr() != kept.data_ptr()
     assert buffers.allocations == 4
     del held
+
+
+def test_receive_buffers_are_of_the_buckets_size_and_grow_when_a_bucket_needs_it():
+    from weightsync_core.data.bucketing import ReceiveBuffers
+
+    sizes = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    buffers = ReceiveBuffers(allocate)
+    buffers.take(0, 100)
+    buffers.take(3, 60)  # slot 0 again, large enough: reused
+    buffers.take(6, 200)  # too small for this bucket: replaced
+    assert sizes == [100, 200]
 
 
 def test_group_is_reused_across_syncs_unless_rebuild_group():

@@ -101,7 +101,7 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
         self._cache_buffers: list[torch.Tensor] = []
         self._cache_descriptors: list[RemoteBuffer] = []
         self._slots: list[torch.Tensor] = []
-        self._copies = ReceiveBuffers(self._allocate)
+        self._copies = ReceiveBuffers(self._allocate_copy)
         """Where a leader copies each pulled bucket before checking it: what its server and
         its replica read is what was verified, whatever a peer writes into the registered
         slots meanwhile (Mooncake lets anyone who reaches it write there)."""
@@ -173,6 +173,7 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
         packer = BucketPacker(
             self._cache_buffers, self.rollout_dtype,
             self.bucket_checksum if self.verify else None, grow=self._new_cache_buffer,
+            passes=self.passes, hash_while_packing=self.hashes_on_host(torch.device("cpu")),
         )
         encoder = self.share_encoder
         share = own_share() if encoder is None else encoder(own_share())
@@ -288,6 +289,11 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
         buffer = allocate_bucket(self.bucket_size, torch.device("cpu"))
         return buffer.pin_memory() if self._pinned else buffer
 
+    def _allocate_copy(self, nbytes: int) -> torch.Tensor:
+        """A buffer a leader copies one pulled bucket of ``nbytes`` into (filled whole)."""
+        buffer = allocate_bucket(nbytes, torch.device("cpu"), mapped=False)
+        return buffer.pin_memory() if self._pinned else buffer
+
     def _register(self, buffer: torch.Tensor) -> torch.Tensor:
         self.transport.register(buffer)
         return buffer
@@ -299,7 +305,7 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
         return buffer
 
     def _release_slots(self) -> None:
-        self._copies = ReceiveBuffers(self._allocate)
+        self._copies = ReceiveBuffers(self._allocate_copy)
         slots, self._slots = self._slots, []
         for slot in slots:
             with contextlib.suppress(Exception):
@@ -386,8 +392,14 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
                     raise WeightSyncError(f"kimi: the pull of bucket {k} was never started")
                 pulled = await pending
                 pending = None
-                data = self._copies.take(k)[: meta.nbytes]
-                await copy_bytes(data, pulled)
+                data = self._copies.take(k, meta.nbytes)[: meta.nbytes]
+                checksum = None  # of the copy, taken as it is made where the checksum allows
+                if self.verify and meta.checksum is not None:
+                    with self.passes.timed("copy_out_checksum"):
+                        checksum = await run_blocking(self.copy_with_checksum, data, pulled)
+                if checksum is None:
+                    with self.passes.timed("copy_out"):
+                        await copy_bytes(data, pulled)
                 del pulled
                 # the next pull reuses the slot of bucket k-1: its relay must be done
                 while relays:
@@ -396,8 +408,11 @@ class KimiCheckpointEngine(TypedEngine[KimiMetadata, KimiPlan], CheckpointEngine
                     pending = asyncio.ensure_future(
                         self._pull(*order[k + 1], self._slots[(k + 1) % 2])
                     )
-                if self.verify:
-                    verifier.check_bucket(data, meta, source=f"actor rank {share.owner}")
+                if checksum is not None:
+                    verifier.check_checksum(checksum, meta, source=f"actor rank {share.owner}")
+                elif self.verify:
+                    with self.passes.timed("receiver_checksum"):
+                        verifier.check_bucket(data, meta, source=f"actor rank {share.owner}")
                 if relay is not None:
                     relayed = data.to(relay.device)
                     relaying = asyncio.ensure_future(relay.relay_bucket(meta, relayed))

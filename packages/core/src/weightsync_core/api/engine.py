@@ -338,18 +338,18 @@ class CheckpointEngine(ABC):
         host's xxh3 (:func:`~weightsync_core.api.checksums.copy_with_host_checksum`); None
         (nothing copied) where it is not: a device bucket, or an engine with a checksum of
         its own."""
-        if not self.hashes_on_host(target) or source.device.type != "cpu":
+        if not self.hashes_on_host(target.device) or source.device.type != "cpu":
             return None
         return copy_with_host_checksum(target, source)
 
-    def hashes_on_host(self, bucket: torch.Tensor) -> bool:
-        """Whether :meth:`bucket_checksum` of ``bucket`` is the host's xxh3, which can be
-        taken in pieces as the bytes are copied
+    def hashes_on_host(self, device: torch.device) -> bool:
+        """Whether :meth:`bucket_checksum` of a bucket on ``device`` is the host's xxh3,
+        which can be taken in pieces as the bytes are copied
         (:class:`~weightsync_core.api.checksums.HostDigest`): a host bucket, and the engine
         keeps this class's checksum."""
         replaced = "bucket_checksum" in vars(self) or (
             type(self).bucket_checksum is not CheckpointEngine.bucket_checksum)
-        return not replaced and bucket.device.type == "cpu"
+        return not replaced and device.type == "cpu"
 
     @abstractmethod
     def prepare(self) -> dict[str, Any]:

@@ -508,29 +508,35 @@ class ReceiveBuffers:
     """Bucket buffers for a receiver that yields views instead of copies.
 
     A slot's buffer is reused only if nothing outside the engine still views it (see
-    :class:`ViewTrackedBuffers`); otherwise a fresh buffer replaces it. Three slots let a
-    streaming consumer hold the previous tensor while the next bucket arrives, without
-    forcing a new buffer.
+    :class:`ViewTrackedBuffers`) and it is large enough; otherwise a fresh buffer of the
+    bucket's size replaces it (a consumer that keeps what it gets, as a staged sync does,
+    makes every bucket take a fresh buffer: of its own size, not the configured bucket
+    size). Three slots let a streaming consumer hold the previous tensor while the next
+    bucket arrives, without forcing a new buffer.
 
     Args:
-        allocate: returns one new bucket buffer.
+        allocate: returns one new buffer of the given number of bytes.
         slots: number of buffers cycled through.
     """
 
     DEFAULT_SLOTS: ClassVar[int] = 3
     """Buffers cycled through unless told otherwise."""
 
-    def __init__(self, allocate: Callable[[], torch.Tensor], slots: int = DEFAULT_SLOTS) -> None:
-        self._buffers = ViewTrackedBuffers(lambda _slot: allocate(), slots)
+    def __init__(self, allocate: Callable[[int], torch.Tensor],
+                 slots: int = DEFAULT_SLOTS) -> None:
+        self._allocate = allocate
+        self._size = 0
+        self._buffers = ViewTrackedBuffers(lambda _slot: allocate(self._size), slots)
         self.allocations = 0
 
-    def take(self, index: int) -> torch.Tensor:
-        """The buffer to receive bucket ``index`` into."""
+    def take(self, index: int, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` to receive bucket ``index`` into."""
         slot = index % len(self._buffers)
         buffer = self._buffers[slot]
-        if buffer is not None and self._buffers.reusable(slot):
+        if buffer is not None and buffer.numel() >= nbytes and self._buffers.reusable(slot):
             return buffer
         self.allocations += 1
+        self._size = nbytes
         return self._buffers.replace(slot)
 
 

@@ -25,10 +25,12 @@ def resolve_device(device_type: str, engine: str, cpu_alternative: str) -> torch
     return torch.device(device_type, module.current_device())
 
 
-def allocate_bucket(nbytes: int, device: torch.device) -> torch.Tensor:
-    """One ``uint8`` bucket buffer on ``device``. Host buffers are zero-filled so that their
-    pages are mapped now rather than during the first transfer."""
-    if device.type == "cpu":
+def allocate_bucket(nbytes: int, device: torch.device, mapped: bool = True) -> torch.Tensor:
+    """One ``uint8`` bucket buffer on ``device``. Host buffers are zero-filled (``mapped``)
+    so that the pages of a buffer kept for many syncs are mapped now rather than during the
+    first transfer; a buffer that the next write fills whole (a receiver's copy of one
+    bucket) need not be."""
+    if device.type == "cpu" and mapped:
         return torch.zeros(nbytes, dtype=torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 

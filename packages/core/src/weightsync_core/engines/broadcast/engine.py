@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import torch
@@ -116,7 +117,7 @@ class CollectiveBroadcastCheckpointEngine(
         self._healthy = True
         self._send_buffers: list[torch.Tensor] = []
         self.device = self.current_device()
-        self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
+        self._receive_buffers = ReceiveBuffers(self.allocate_receive_buffer)
 
     # -- override points for device backends ---------------------------------------------
     def current_device(self) -> torch.device:
@@ -128,6 +129,11 @@ class CollectiveBroadcastCheckpointEngine(
     def allocate_bucket(self) -> torch.Tensor:
         """Override point: one bucket buffer on this engine's device."""
         return devices.allocate_bucket(self.bucket_size, self.device)
+
+    def allocate_receive_buffer(self, nbytes: int) -> torch.Tensor:
+        """Override point: a buffer on this engine's device that one received bucket of
+        ``nbytes`` fills whole (not zero-filled first)."""
+        return devices.allocate_bucket(nbytes, self.device, mapped=False)
 
     def new_data_group(
         self, store: Store, rank: int, world_size: int, control: Collective
@@ -208,7 +214,8 @@ class CollectiveBroadcastCheckpointEngine(
             packer = BucketPacker(
                 self._send_buffers, self.rollout_dtype,
                 self.bucket_checksum if self.verify else None, self.direct_min_bytes,
-                passes=self.passes, hash_while_packing=self.hashes_on_host(self._send_buffers[0]),
+                passes=self.passes,
+                hash_while_packing=self.hashes_on_host(self._send_buffers[0].device),
             )
             await self._send_buckets(group, packer, weights, in_flight)
             if not packer.num_tensors:
@@ -248,7 +255,7 @@ class CollectiveBroadcastCheckpointEngine(
         index = 0
         completed = False
         pending: asyncio.Future | None = asyncio.ensure_future(
-            self._receive_message(group, buffers.take(index))
+            self._receive_message(group, functools.partial(buffers.take, index))
         )
         try:
             while True:
@@ -260,7 +267,8 @@ class CollectiveBroadcastCheckpointEngine(
                     completed = True
                     return
                 index += 1
-                pending = asyncio.ensure_future(self._receive_message(group, buffers.take(index)))
+                pending = asyncio.ensure_future(
+                    self._receive_message(group, functools.partial(buffers.take, index)))
                 if self.verify:
                     with self.passes.timed("receiver_checksum"):
                         verifier.check_bucket(data, message.meta, source=group.sender)
@@ -285,7 +293,7 @@ class CollectiveBroadcastCheckpointEngine(
         """Drop the group, the receive buffers and the listening socket whatever their state
         (after a failed sync anywhere): transfers left over from it can touch nothing the
         next sync uses."""
-        self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
+        self._receive_buffers = ReceiveBuffers(self.allocate_receive_buffer)
         self._lifecycle.close_listener()
         self._destroy_group()
         self._release_buffers()
@@ -302,7 +310,7 @@ class CollectiveBroadcastCheckpointEngine(
     def _release_buffers(self) -> None:
         if not self.keep_buffers:
             self._send_buffers = []
-            self._receive_buffers = ReceiveBuffers(self.allocate_bucket)
+            self._receive_buffers = ReceiveBuffers(self.allocate_receive_buffer)
 
     def _destroy_group(self) -> None:
         self._lifecycle.destroy()
@@ -382,12 +390,12 @@ class CollectiveBroadcastCheckpointEngine(
         return protocol.post_message(group, message, data)
 
     async def _receive_message(
-        self, group: BroadcastGroup, buffer: torch.Tensor
+        self, group: BroadcastGroup, buffer: Callable[[int], torch.Tensor]
     ) -> tuple[BroadcastMessage, torch.Tensor]:
-        """Receive one message into ``buffer`` on a worker thread (header, then the rest),
-        so the event loop stays free to hand out the previous bucket meanwhile."""
+        """Receive one message into ``buffer(nbytes)`` on a worker thread (header, then the
+        rest), so the event loop stays free to hand out the previous bucket meanwhile."""
         return await run_blocking(
-            protocol.receive_message, group, buffer, self._wait, self.rank
+            protocol.receive_message, group, buffer, self.bucket_size, self._wait, self.rank
         )
 
     async def _abort(

@@ -90,11 +90,13 @@ def post_message(
 
 
 def receive_message(
-    group: BroadcastGroup, buffer: torch.Tensor, wait: Callable[[BroadcastGroup, Posted], None],
-    rank: int | None,
+    group: BroadcastGroup, buffer: Callable[[int], torch.Tensor], bucket_size: int,
+    wait: Callable[[BroadcastGroup, Posted], None], rank: int | None,
 ) -> tuple[BroadcastMessage, torch.Tensor]:
-    """Receive one message into ``buffer`` (blocking: header, then the rest); ``wait``
-    completes posted broadcasts, ``rank`` names this receiver in errors."""
+    """Receive one message (blocking: header, then the rest), its bytes into
+    ``buffer(nbytes)``, a buffer of at least the ``nbytes`` the header announces (at most
+    ``bucket_size``); ``wait`` completes posted broadcasts, ``rank`` names this receiver in
+    errors."""
     header = torch.zeros(2, dtype=torch.int64)
     wait(group, [(post(group.control, header), "header")])
     meta_len, data_len = (int(value) for value in header)
@@ -104,15 +106,15 @@ def receive_message(
             f" from {group.sender}; the group is out of step (a peer from another sync?)",
             peer=group.sender, stage="header",
         )
-    if data_len > buffer.numel() or data_len < 0:
+    if data_len > bucket_size or data_len < 0:
         raise TransferError(
             f"{group.sender} announced a {data_len}-byte bucket but rollout rank "
-            f"{rank} has {buffer.numel()}-byte buckets; use the same "
+            f"{rank} has {bucket_size}-byte buckets; use the same "
             "update_weights_bucket_megabytes on both sides",
             peer=group.sender, stage="header",
         )
     meta = torch.empty(meta_len, dtype=torch.uint8)
-    data = buffer[:data_len]
+    data = buffer(data_len)[:data_len]
     works = [(post(group.control, meta), "metadata")]
     if data_len:
         works.append((post(group.data, data), "bucket data"))

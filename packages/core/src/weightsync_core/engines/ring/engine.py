@@ -162,7 +162,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
         packer = BucketPacker(
             self.local_slots.buffers, self.rollout_dtype,
             self.bucket_checksum if self.verify else None, passes=self.passes,
-            hash_while_packing=self.hashes_on_host(self.local_slots.buffers[0]),
+            hash_while_packing=self.hashes_on_host(self.device),
         )
         try:
             await self._send_buckets(session, packer, weights)
@@ -256,7 +256,7 @@ class RingCheckpointEngine(TypedEngine[RingMetadata, RingPlacement]):
     # -- internals -----------------------------------------------------------------------
     def _new_copies(self) -> ReceiveBuffers:
         """The buffers a rollout worker copies buckets into (allocated on first use)."""
-        return ReceiveBuffers(lambda: allocate_bucket(self.bucket_size, self.device))
+        return ReceiveBuffers(lambda nbytes: allocate_bucket(nbytes, self.device, mapped=False))
 
     def _open_session(self, placement: RingPlacement) -> RingSession:
         """This sync's session; one an earlier sync left running is superseded first."""

@@ -104,7 +104,7 @@ class RingReceiver:
             self.forward = self.session.spawn(
                 self.session.forward_bucket(data, meta, self.forward)
             )
-        copy = self.copies.take(meta.index)[: meta.nbytes]
+        copy = self.copies.take(meta.index, meta.nbytes)[: meta.nbytes]
         if self.verify and meta.checksum is not None:
             with self.link.passes.timed("copy_out_checksum"):
                 actual = (await run_blocking(self.copy_with_checksum, copy, data)
