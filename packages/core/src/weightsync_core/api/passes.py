@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["PASS_PREFIX", "PassTimes", "pass_metrics"]
+__all__ = ["PASS_PREFIX", "PassTimes", "pass_metrics", "passes_of"]
 
 PASS_PREFIX = "pass_"
 """How a worker's figures name a pass: ``pass_<pass>_seconds``."""
@@ -55,6 +55,24 @@ class PassTimes:
         with self._lock:
             return {f"{PASS_PREFIX}{name}{_SUFFIX}": seconds
                     for name, seconds in self._seconds.items()}
+
+
+class _Untimed(PassTimes):
+    """The passes of an engine that times none: nothing is kept."""
+
+    def add(self, name: str, seconds: float) -> None:
+        """Nothing: no pass is kept."""
+
+
+_UNTIMED = _Untimed()
+
+
+def passes_of(engine: object) -> PassTimes:
+    """``engine.passes`` (:attr:`~weightsync_core.api.engine.CheckpointEngine.passes`), or,
+    for an engine not built on weightsync's (verl's own, driven by weightsync-verl's staging
+    worker), a :class:`PassTimes` that keeps nothing."""
+    passes = getattr(engine, "passes", None)
+    return passes if isinstance(passes, PassTimes) else _UNTIMED
 
 
 def pass_metrics(reports: Iterable[Mapping[str, Any]]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from weightsync_core.api.engine import (
     TransferStats,
 )
 from weightsync_core.api.errors import EmptyWeightsError, WeightSyncError
+from weightsync_core.api.passes import passes_of
 from weightsync_core.api.protocols import ServerAdapter
 from weightsync_core.data.bucketing import (
     WeightsSource,
@@ -229,7 +230,8 @@ class ActorCheckpointEngineMixin:
         of that token (:class:`~weightsync_core.data.delta.DeltaSender`)."""
         self._check_engine_built("update_weights")
         engine = self.checkpoint_engine
-        engine.passes.clear()
+        passes = passes_of(engine)
+        passes.clear()
         taken = TransferStats()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
@@ -255,10 +257,10 @@ class ActorCheckpointEngineMixin:
             guard.start(allow_change=allow_manifest_change)
             stats = await deliver_weights(
                 self.colocated_server_adapter, engine.receive_weights(global_steps), global_steps,
-                guard, engine.progress, engine.passes,
+                guard, engine.progress, passes,
             )
         result = stats.as_dict()
-        result.update(engine.passes.as_dict())
+        result.update(passes.as_dict())
         if encoding:
             result.update(self.delta_sender.last_stats.as_dict())
         if plan is not None:

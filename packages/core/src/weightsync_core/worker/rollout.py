@@ -14,6 +14,7 @@ import torch
 from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
 from weightsync_core.api.engine import CheckpointEngine, CheckpointEngineWithCache
 from weightsync_core.api.errors import WeightSyncError
+from weightsync_core.api.passes import passes_of
 from weightsync_core.api.protocols import PreparedSwitch, ServerAdapter
 from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
 from weightsync_core.data.verification import ManifestGuard
@@ -170,14 +171,15 @@ class CheckpointEngineWorker:
         (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
         self._drop_stage()  # this version is newer than any stage
         engine = self.checkpoint_engine
-        engine.passes.clear()
+        passes = passes_of(engine)
+        passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
                                              in_place=self._patchable_weights(plan))
         stats = await self._load(weights, global_steps, allow_manifest_change)
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
-        stats.update(engine.passes.as_dict())
+        stats.update(passes.as_dict())
         return stats
 
     async def update_weights_from_cache(
@@ -218,7 +220,8 @@ class CheckpointEngineWorker:
         self._drop_stage()  # this version is newer; the delta copy, if any, still holds its
         self.forget_replaced()  # version, verified: the sender may patch against it
         engine = self.checkpoint_engine
-        engine.passes.clear()
+        passes = passes_of(engine)
+        passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
             self.delta_receiver.detach_from_server()
@@ -238,7 +241,7 @@ class CheckpointEngineWorker:
         self.staged = staged
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
-        stats.update(engine.passes.as_dict())
+        stats.update(passes.as_dict())
         return stats
 
     async def commit_staged(self) -> dict[str, float]:
@@ -433,7 +436,7 @@ class CheckpointEngineWorker:
             weights = _owned_copies(weights)
         engine = self.checkpoint_engine
         stats = await deliver_weights(self.server_adapter, weights, global_steps,
-                                      self.manifest_guard, engine.progress, engine.passes)
+                                      self.manifest_guard, engine.progress, passes_of(engine))
         self.update_complete = True
         self.weights_version = global_steps
         return stats.as_dict()
