@@ -28,6 +28,10 @@ CONNECTIONS = 2
 _LARGE_FRAME = os.urandom(1 << 20) * 60
 _SMALL_FRAME = os.urandom(64)
 _RAW_CHUNK = os.urandom(1 << 20)
+_STOP_SECONDS = 5.0
+"""How long the senders together get to stop before the report is printed (each joined
+for 5 s in turn, 48 senders of 8 ports outlasted a test's 60 s wait on a loaded CI
+machine)."""
 
 
 def _zmq_sender(context, endpoint: str, frame: bytes, stop: threading.Event,
@@ -91,8 +95,9 @@ def flood(host: str, ports: list[int], seconds: float, stop: threading.Event) ->
     print("ready", flush=True)
     stop.wait(seconds)
     stop.set()
-    for thread in threads:
-        thread.join(5)
+    deadline = time.monotonic() + _STOP_SECONDS  # one bound for all: at nice 19 on a loaded
+    for thread in threads:  # machine a sender may take long to see the stop
+        thread.join(max(0.0, deadline - time.monotonic()))
     return {kind: count[0] for kind, count in sent.items()}
 
 
