@@ -1,5 +1,6 @@
 """The core conformance suite for ``nixl`` on host memory between real Ray actor processes."""
 
+from weightsync_core import passes_in
 from weightsync_core.testing import (
     CheckpointEngineConformanceTests,
     ConnectionStormTests,
@@ -23,8 +24,7 @@ class TestNixlConformance(
         expected = harness.set_weights(seed=71)
         metrics = harness.manager().update_weights_sync(global_steps=71)
         self.assert_delivered(harness, expected)
-        passes = {key.removeprefix("weightsync/passes/") for key in metrics
-                  if key.startswith("weightsync/passes/")}
+        passes = set(passes_in(metrics))
         assert {"pack", "write", "copy_out_checksum"} <= passes
         # no second pass on the host: hashed while packed, and while copied out
         assert not passes & {"sender_checksum", "copy_out", "receiver_checksum"}

@@ -3,7 +3,7 @@ manager as the longest any process spent; an engine that times none reports none
 
 import threading
 
-from weightsync_core.api.passes import PassTimes, pass_metrics, passes_of
+from weightsync_core.api.passes import PassTimes, pass_metrics, passes_in, passes_of
 from weightsync_core.engines.gloo import GlooCheckpointEngine
 
 
@@ -27,8 +27,9 @@ def test_passes_add_up_from_every_thread_and_clear_for_the_next_sync():
 def test_the_manager_reports_the_longest_any_process_spent_in_each_pass():
     reports = [{"pass_pack_seconds": 0.5, "nbytes": 10}, {"pass_pack_seconds": 0.2,
                                                          "pass_write_seconds": 0.3}]
-    assert pass_metrics(reports) == {"weightsync/passes/pack": 0.5,
-                                     "weightsync/passes/write": 0.3}
+    metrics = pass_metrics(reports)
+    assert metrics == {"weightsync/passes/pack": 0.5, "weightsync/passes/write": 0.3}
+    assert passes_in({**metrics, "weightsync/bytes": 10.0}) == {"pack": 0.5, "write": 0.3}
 
 
 def test_an_engine_times_its_passes_and_a_foreign_one_reports_none():

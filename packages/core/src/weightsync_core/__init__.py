@@ -63,6 +63,7 @@ from weightsync_core.api.errors import (
     VerificationError,
     WeightSyncError,
 )
+from weightsync_core.api.passes import passes_in
 from weightsync_core.api.plugins import load_class, load_custom_backend_module
 from weightsync_core.api.protocols import (
     CheckpointEngineWorkerGroup,
@@ -193,6 +194,7 @@ __all__ = [
     "load_class",
     "load_custom_backend_module",
     "new_session_key",
+    "passes_in",
     "run_sync",
     "split_per_rank",
     "switch_paused",

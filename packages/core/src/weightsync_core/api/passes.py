@@ -16,11 +16,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["PASS_PREFIX", "PassTimes", "pass_metrics", "passes_of"]
+__all__ = ["PASS_METRIC_PREFIX", "PASS_PREFIX", "PassTimes", "pass_metrics", "passes_in",
+           "passes_of"]
 
 PASS_PREFIX = "pass_"
 """How a worker's figures name a pass: ``pass_<pass>_seconds``."""
 _SUFFIX = "_seconds"
+PASS_METRIC_PREFIX = "weightsync/passes/"
+"""How the manager's metrics name a pass: ``weightsync/passes/<pass>``."""
 
 
 class PassTimes:
@@ -82,6 +85,13 @@ def pass_metrics(reports: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     for report in reports:
         for key, seconds in report.items():
             if key.startswith(PASS_PREFIX) and key.endswith(_SUFFIX):
-                name = f"weightsync/passes/{key[len(PASS_PREFIX):-len(_SUFFIX)]}"
+                name = f"{PASS_METRIC_PREFIX}{key[len(PASS_PREFIX):-len(_SUFFIX)]}"
                 metrics[name] = max(metrics.get(name, 0.0), float(seconds))
     return metrics
+
+
+def passes_in(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The passes of a sync's ``metrics`` (what ``update_weights`` returned): seconds by
+    pass name."""
+    return {key.removeprefix(PASS_METRIC_PREFIX): seconds for key, seconds in metrics.items()
+            if key.startswith(PASS_METRIC_PREFIX)}

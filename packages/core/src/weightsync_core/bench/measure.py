@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.api.passes import passes_in
 from weightsync_core.orchestration.deployment import Deployment, Placement
 from weightsync_core.orchestration.local_ray import ensure_ray
 from weightsync_core.orchestration.manager import CheckpointEngineManager
@@ -71,9 +72,6 @@ def synthetic_deployment(
         deployment.shutdown()
 
 
-_PASSES = "weightsync/passes/"
-
-
 def sync_seconds(manager: CheckpointEngineManager, passes: str | None = None,
                  **stages: str) -> Measurement:
     """A measurement of one sync by ``manager``: the seconds of each named stage, e.g.
@@ -85,8 +83,7 @@ def sync_seconds(manager: CheckpointEngineManager, passes: str | None = None,
         figures = {name: metrics[f"weightsync/seconds/{stage}"]
                    for name, stage in stages.items()}
         if passes is not None:
-            figures |= {f"{passes}/{key.removeprefix(_PASSES)}": seconds
-                        for key, seconds in metrics.items() if key.startswith(_PASSES)}
+            figures |= {f"{passes}/{name}": seconds for name, seconds in passes_in(metrics).items()}
         return figures
 
     return measure

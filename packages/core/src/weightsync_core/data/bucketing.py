@@ -47,6 +47,7 @@ __all__ = [
     "copy_bytes",
     "iter_named_tensors",
     "iter_named_tensors_sync",
+    "offloaded",
     "storage_refs",
 ]
 
@@ -329,7 +330,7 @@ class BucketPacker:
                 piece = min(total - position, self.bucket_size - offset)
                 buffer = self._buffer(self._packed)
                 with self._timed("pack"):
-                    await _offloaded(piece, self._copy_in, buffer, offset,
+                    await offloaded(piece, self._copy_in, buffer, offset,
                                      data[position : position + piece])
                 metas.append(TensorMeta(name, shape, tensor.dtype, offset, piece, total, position))
                 end = offset + piece
@@ -389,7 +390,7 @@ class BucketPacker:
             meta.checksum = checksum
         elif self.checksum is not None:
             with self._timed("sender_checksum"):
-                meta.checksum = await _offloaded(nbytes, self.checksum, buffer[:nbytes])
+                meta.checksum = await offloaded(nbytes, self.checksum, buffer[:nbytes])
         self.num_buckets += 1
         self.nbytes += sum(piece.nbytes for piece in metas)
         return PackedBucket(buffer, meta, direct)
@@ -398,10 +399,10 @@ class BucketPacker:
 async def copy_bytes(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` (``uint8``, same size), on a worker thread when it is
     large enough that the event loop should keep running meanwhile."""
-    await _offloaded(source.numel(), target.copy_, source)
+    await offloaded(source.numel(), target.copy_, source)
 
 
-async def _offloaded(nbytes: int, function: Callable[..., T], *args: object) -> T:
+async def offloaded(nbytes: int, function: Callable[..., T], *args: object) -> T:
     """``function(*args)``, on a worker thread when it touches ``OFFLOAD_BYTES`` or more."""
     if nbytes >= OFFLOAD_BYTES:
         return await run_blocking(function, *args)
@@ -467,9 +468,9 @@ class ViewTrackedBuffers:
     so a consumer that keeps received tensors never sees them overwritten.
 
     Args:
-        allocate: returns one new buffer for the slot it is given (ready to receive into:
-            e.g. already registered with a transport, whose own references then count as
-            the baseline).
+        allocate: returns one new buffer of the given number of bytes (ready to receive
+            into: e.g. already registered with a transport, whose own references then count
+            as the baseline).
         slots: number of buffer slots; each starts empty.
     """
 
@@ -496,10 +497,10 @@ class ViewTrackedBuffers:
         refs = storage_refs(buffer)
         return refs is not None and refs == self._baselines[slot]
 
-    def replace(self, slot: int) -> torch.Tensor:
-        """Give ``slot`` a newly allocated buffer (the old one is left to whoever still
-        views it) and return it."""
-        buffer = self._buffers[slot] = self._allocate(slot)
+    def replace(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Give ``slot`` a newly allocated buffer of ``nbytes`` (the old one is left to
+        whoever still views it) and return it."""
+        buffer = self._buffers[slot] = self._allocate(nbytes)
         self._baselines[slot] = storage_refs(buffer)
         return buffer
 
@@ -524,9 +525,7 @@ class ReceiveBuffers:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor],
                  slots: int = DEFAULT_SLOTS) -> None:
-        self._allocate = allocate
-        self._size = 0
-        self._buffers = ViewTrackedBuffers(lambda _slot: allocate(self._size), slots)
+        self._buffers = ViewTrackedBuffers(allocate, slots)
         self.allocations = 0
 
     def take(self, index: int, nbytes: int) -> torch.Tensor:
@@ -536,8 +535,7 @@ class ReceiveBuffers:
         if buffer is not None and buffer.numel() >= nbytes and self._buffers.reusable(slot):
             return buffer
         self.allocations += 1
-        self._size = nbytes
-        return self._buffers.replace(slot)
+        return self._buffers.replace(slot, nbytes)
 
 
 def storage_refs(tensor: torch.Tensor) -> int | None:

@@ -133,8 +133,7 @@ def encode_patch(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, Pa
     digest = (_digest_thread().submit(tensor_digest, new)  # while this thread sweeps
               if new.device.type == "cpu" and as_bytes(new).numel() >= _OVERLAPPED_DIGEST_BYTES
               else None)
-    swept = diff_gather(flat_words(flat_new), flat_words(flat_old), _position_dtype(new.numel()))
-    positions, values = swept if swept is not None else (diff_into(flat_new, flat_old), None)
+    positions, values = _diff(flat_new, flat_old, _position_dtype(new.numel()))
     return build_patch(new, positions, values=values,
                        digest=None if digest is None else digest.result())
 
@@ -159,12 +158,20 @@ def _position_dtype(numel: int) -> torch.dtype:
 def diff_into(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Flat positions (int64, ascending) where the flat contiguous ``new`` differs bitwise
     from ``old`` (same size and dtype, on any device), compared where ``new`` lives; ``old``
-    is then updated to equal ``new`` (only the changed elements are written). Host tensors
-    are swept once (:func:`~weightsync_core.data.delta.kernels.diff_gather`)."""
+    is then updated to equal ``new`` (only the changed elements are written)."""
+    return _diff(new, old, torch.int64)[0]
+
+
+def _diff(new: torch.Tensor, old: torch.Tensor, position_dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`diff_into`'s positions and the changed elements' new values (as
+    :func:`flat_words` reads them): host tensors swept once
+    (:func:`~weightsync_core.data.delta.kernels.diff_gather`, positions of
+    ``position_dtype``), others with torch's operators (int64 positions)."""
     new_words = flat_words(new)
-    swept = diff_gather(new_words, flat_words(old), torch.int64)
+    swept = diff_gather(new_words, flat_words(old), position_dtype)
     if swept is not None:
-        return swept[0]
+        return swept
     old_words = flat_words(old).to(new.device)
     positions = _changed_positions(new_words, old_words)
     values = new_words[positions]
@@ -172,7 +179,7 @@ def diff_into(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         old_words.index_copy_(0, positions, values)
     else:  # diffed where the new tensor lives: only the changed elements go back
         flat_words(old).index_copy_(0, positions.to(old.device), values.to(old.device))
-    return positions
+    return positions, values
 
 
 def cheapest_kind(numel: int, changed: int, word_bytes: int) -> PatchKind:

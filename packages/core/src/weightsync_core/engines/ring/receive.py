@@ -11,11 +11,11 @@ import torch
 
 from weightsync_core.api.errors import SenderAbortedError, TransferError, WeightSyncError
 from weightsync_core.data.bucketing import (
-    OFFLOAD_BYTES,
     BucketMeta,
     BucketUnpacker,
     ReceiveBuffers,
     copy_bytes,
+    offloaded,
 )
 from weightsync_core.data.devices import synchronize_device
 from weightsync_core.data.verification import DeliveryVerifier
@@ -107,8 +107,7 @@ class RingReceiver:
         copy = self.copies.take(meta.index, meta.nbytes)[: meta.nbytes]
         if self.verify and meta.checksum is not None:
             with self.link.passes.timed("copy_out_checksum"):
-                actual = (await run_blocking(self.copy_with_checksum, copy, data)
-                          if meta.nbytes >= OFFLOAD_BYTES else self.copy_with_checksum(copy, data))
+                actual = await offloaded(meta.nbytes, self.copy_with_checksum, copy, data)
             if actual is not None:
                 del data
                 self.session.spawn(self._credit(slot, self.forward))
