@@ -190,3 +190,40 @@ def test_a_worker_dying_in_the_second_round_of_a_mixed_delta_sync_has_the_manage
         manager.remove_replicas([newcomer])
         for worker in newcomer.workers:
             ray.kill(worker)
+
+
+# -- a sync of the same processes begins in one call per process ----------------------------
+
+
+def test_a_sync_of_known_processes_begins_in_one_call_and_a_failure_names_its_stage(harness):
+    """The first sync learns that every process is weightsync's own (it answers
+    BUILT_SETTINGS): later ones hand the key, learn the host and the settings and prepare
+    in one call per process (stage ``prepare``), and a process that fails in it is blamed
+    at the stage of the step that failed."""
+    manager = harness.manager()
+    actor, worker = harness.actors[0], harness.replicas[0].workers[0]
+    stages = {"authenticate", "locate", "prepare"}
+
+    def timed(step: int) -> set[str]:
+        expected = harness.set_weights(seed=step)
+        metrics = manager.update_weights_sync(global_steps=step)
+        assert harness.reports()[0]["received"] == expected
+        return {key.removeprefix("weightsync/seconds/") for key in metrics
+                if key.removeprefix("weightsync/seconds/") in stages}
+
+    assert timed(10) == stages  # nothing known yet: three stages
+    assert timed(11) == {"prepare"}  # one call
+    for process, name in ((worker, "rollout rank 0 (replica 0, worker 0)"),
+                          (actor, "actor_wg rank 0")):
+        for method, stage in (("set_session_key", "authenticate"), ("address", "locate"),
+                              ("prepare", "prepare")):
+            ray.get(process.fail_engine_call.remote(method))
+            harness.set_weights(seed=12)
+            with pytest.raises(SyncStageError) as info:
+                manager.update_weights_sync(global_steps=12)
+            assert (info.value.stage, info.value.worker) == (stage, name), str(info.value)
+            assert f"failed at stage '{stage}'" in str(info.value)
+            assert f"{method} failed on purpose" in str(info.value)
+            ray.get(process.fail_engine_call.remote(None))
+    assert manager.stale_replicas == []
+    assert timed(13) == {"prepare"}  # the failures changed nothing: still one call

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from weightsync_core.api.engine import CheckpointEngine
 
 __all__ = [
+    "BEGIN_SYNC",
     "BUILT_SETTINGS",
     "DELTA_HELD",
     "MAX_BUCKET_MEGABYTES",
@@ -51,6 +52,16 @@ BUILT_SETTINGS = "built_settings"
 ``execute_checkpoint_engine``) to learn the :meth:`CheckpointEngineConfig.travel_settings` its
 engine was built with; a worker that does not answer it (verl's own workers) is not
 compared."""
+
+BEGIN_SYNC = "begin_sync"
+"""The call that begins a sync on a process in one round trip (through its worker's
+``execute_checkpoint_engine``, with ``key``): the engine takes the sync's session key
+(``set_session_key``), says where it runs (``address``), the worker what the engine was built
+with (:data:`BUILT_SETTINGS`), and the engine prepares (``prepare``); answered with
+``{"address": ..., "settings": ..., "metadata": ...}``. A step that fails carries its stage
+(``authenticate``, ``locate``, ``prepare``: :func:`~weightsync_core.api.errors.failed_stage`).
+The manager makes it where every process of the sync answered :data:`BUILT_SETTINGS` in an
+earlier sync (weightsync's own workers), else the three stages one after another."""
 
 DELTA_HELD = "delta_held"
 """The call a delta-enabled sync makes on every process (through its worker's

@@ -6,6 +6,9 @@ sync name the stage and the rank (or peer) that failed.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "BackendLoadError",
     "BackendNotFoundError",
@@ -25,6 +28,8 @@ __all__ = [
     "UnauthenticatedMessageError",
     "VerificationError",
     "WeightSyncError",
+    "failed_stage",
+    "in_stage",
 ]
 
 
@@ -181,3 +186,29 @@ class UnauthenticatedMessageError(WeightSyncError):
 
 class MalformedMessageError(WeightSyncError, ValueError):
     """An authenticated network message does not match the wire schema."""
+
+
+_STAGE_ATTRIBUTE = "weightsync_stage"
+
+
+@contextlib.contextmanager
+def in_stage(stage: str) -> Iterator[None]:
+    """Mark an error raised inside as raised in sync stage ``stage``, for a process that runs
+    several stages in one call (:data:`~weightsync_core.api.config.BEGIN_SYNC`); the mark
+    crosses Ray with the error (:func:`failed_stage` reads it)."""
+    try:
+        yield
+    except Exception as exc:
+        if failed_stage(exc) is None:
+            setattr(exc, _STAGE_ATTRIBUTE, stage)
+        raise
+
+
+def failed_stage(exc: BaseException) -> str | None:
+    """The stage :func:`in_stage` marked ``exc`` (or, for an error that crossed Ray, its
+    cause) with; None where it was not marked."""
+    for error in (exc, getattr(exc, "cause", None)):
+        stage = getattr(error, _STAGE_ATTRIBUTE, None)
+        if isinstance(stage, str):
+            return stage
+    return None

@@ -16,7 +16,12 @@ from typing import Any, ClassVar, TypeVar, cast
 
 import ray
 
-from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
+from weightsync_core.api.config import (
+    BEGIN_SYNC,
+    BUILT_SETTINGS,
+    DELTA_HELD,
+    CheckpointEngineConfig,
+)
 from weightsync_core.api.engine import CheckpointEngineWithCache
 from weightsync_core.api.errors import MetadataError, SyncStageError, WeightSyncError
 from weightsync_core.api.passes import pass_metrics
@@ -256,6 +261,11 @@ class CheckpointEngineManager:
         self._addresses: dict[str, str] = {}
         """Host address of each process and replica (by name) as of the last sync; cleared
         when replicas are added or removed."""
+        self._answering: tuple[CheckpointEngineWorkerGroup | None, set[str]] = (None, set())
+        """The actor group and the processes (by name) that answered
+        :data:`~weightsync_core.api.config.BUILT_SETTINGS` in an earlier sync (weightsync's
+        own workers): a sync of only those begins in one call
+        (:data:`~weightsync_core.api.config.BEGIN_SYNC`). Forgotten with :attr:`_addresses`."""
         self._cleanup: list[ray.ObjectRef] = []
         self._staged: list[RolloutReplica] = []
         """The replicas whose workers hold the stage of the last :meth:`stage_weights`, until
@@ -290,7 +300,7 @@ class CheckpointEngineManager:
                     "group: manage these replicas with separate managers"
                 )
             self.replicas.append(replica)
-        self._addresses.clear()  # rollout ranks are renumbered
+        self._forget_processes()  # rollout ranks are renumbered
 
     def remove_replicas(self, replicas: Iterable[RolloutReplica]) -> None:
         """Stop syncing ``replicas`` (e.g. after one failed); the others are untouched."""
@@ -299,7 +309,13 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
-        self._addresses.clear()  # rollout ranks are renumbered
+        self._forget_processes()  # rollout ranks are renumbered
+
+    def _forget_processes(self) -> None:
+        """Forget where the processes run and which answer every call: after the replicas
+        changed, rollout ranks are renumbered."""
+        self._addresses.clear()
+        self._answering = (None, set())
 
     def rollout_group(self, workers: list[Any]) -> CheckpointEngineWorkerGroup:
         """The worker group a sync drives on the rollout side, made of the replicas'
@@ -901,12 +917,14 @@ class CheckpointEngineManager:
         stages.peers = processes.peers
         progress = processes.engine_calls("sync_progress")
         key = new_session_key()  # this sync's secret, handed to every process through Ray
-        await stages.run("authenticate", processes.engine_calls(
-            "set_session_key", {"key": [key] * layout.actor_ranks},
-            {"key": [key] * layout.rollout_world_size},
-        ), progress)
-        await self._locate(stages, processes, replicas)
-        metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
+        keys = {"key": [key] * layout.actor_ranks}, {"key": [key] * layout.rollout_world_size}
+        if self._answer_every_call(processes):
+            metadata = await self._begin(stages, processes, replicas, keys, progress)
+        else:
+            await stages.run("authenticate", processes.engine_calls("set_session_key", *keys),
+                             progress)
+            await self._locate(stages, processes, replicas)
+            metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
         actor_kwargs, rollout_kwargs = self._topology(stages, processes, metadata)
         await stages.run("init_process_group", processes.engine_calls(
             "init_process_group", actor_kwargs, rollout_kwargs,
@@ -996,6 +1014,34 @@ class CheckpointEngineManager:
             "sync_progress")
         return list(zip(self._worker_names(replica), refs, strict=True))
 
+    def _answer_every_call(self, processes: _SyncProcesses) -> bool:
+        """Whether every process of this sync answered
+        :data:`~weightsync_core.api.config.BUILT_SETTINGS` in an earlier sync, so that it
+        also answers :data:`~weightsync_core.api.config.BEGIN_SYNC` (weightsync's own workers
+        do; verl's hand such calls to their engine, which has no such method)."""
+        group, answering = self._answering
+        return group is self.actor_wg and answering.issuperset(processes.names)
+
+    async def _begin(
+        self, stages: SyncStages, processes: _SyncProcesses, replicas: list[RolloutReplica],
+        keys: tuple[dict[str, list[Any]], dict[str, list[Any]]], progress: Callable[[], Calls],
+    ) -> list[Any]:
+        """Stages ``authenticate``, ``locate`` and ``prepare`` in one call per process
+        (:data:`~weightsync_core.api.config.BEGIN_SYNC`, timed as stage ``prepare``; a
+        process's failure names the stage it failed in): what :meth:`_locate` learns is
+        checked as it checks it. Returns each process's metadata from ``prepare``."""
+        answers = await stages.run("prepare", processes.engine_calls(BEGIN_SYNC, *keys),
+                                   progress)
+        for name, answer in zip(processes.names, answers, strict=True):
+            if not isinstance(answer, dict) or not {"address", "settings", "metadata"} <= set(
+                    answer):
+                raise stages.blame("prepare", name, f"answered {BEGIN_SYNC} with "
+                                   f"{type(answer).__name__}, not its address, settings and "
+                                   "metadata")
+        self._located(stages, processes, replicas, [answer["address"] for answer in answers],
+                      [answer["settings"] for answer in answers])
+        return [answer["metadata"] for answer in answers]
+
     async def _locate(self, stages: SyncStages, processes: _SyncProcesses,
                       replicas: list[RolloutReplica]) -> None:
         """Learn where each process runs, so that a failure names the host (a cable, a
@@ -1011,7 +1057,20 @@ class CheckpointEngineManager:
             *addresses(), *((name, _answer_or_none(call, BUILT_SETTINGS))
                             for name, call in settings()),
         ])
-        hosts, reported = results[:world_size], results[world_size:]
+        self._located(stages, processes, replicas, results[:world_size],
+                      results[world_size:])
+        answering = {name for name, settings in zip(processes.names, results[world_size:],
+                                                    strict=True) if settings is not None}
+        group, known = self._answering
+        self._answering = (self.actor_wg,
+                           answering | (known if group is self.actor_wg else set()))
+
+    def _located(self, stages: SyncStages, processes: _SyncProcesses,
+                 replicas: list[RolloutReplica], hosts: list[Any], reported: list[Any]) -> None:
+        """Take what stage ``locate`` learned: each process's host (``hosts``, in
+        :attr:`_SyncProcesses.names` order) and the settings its engine was built with
+        (``reported``, None where it could not say), refused where they differ from this
+        manager's (:meth:`_check_settings`)."""
         processes.layout.with_hosts(hosts)  # every answer a host name
         self._addresses.update(zip(processes.names, hosts, strict=True))
         first = processes.layout.actor_ranks

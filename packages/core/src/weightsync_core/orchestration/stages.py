@@ -16,7 +16,7 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from weightsync_core.api.errors import SyncStageError, SyncTimeoutError
+from weightsync_core.api.errors import SyncStageError, SyncTimeoutError, failed_stage
 from weightsync_core.orchestration.blame import (
     Culprit,
     describe_exception,
@@ -166,6 +166,7 @@ class SyncStages:
     ) -> SyncStageError:
         """The error of a failed stage, its root cause in the headline."""
         culprit, reporter, exc = rank_failures(failures, names, stalled, self.peers)
+        stage = failed_stage(exc) or stage  # a call of several stages says which one failed
         host = self.hosts.get(culprit.name)
         others = "; ".join(f"{other}: {describe_exception(e)}"
                            for other, e in failures if other != reporter)[:1200]

@@ -36,6 +36,7 @@ __all__ = [
     "RecordingServerAdapter",
     "WeightSourceActor",
     "corrupt_bucket_checksum",
+    "fail_engine_call",
     "lie_in_prepare",
 ]
 
@@ -82,6 +83,22 @@ def corrupt_bucket_checksum(engine: Any, bucket: int | None) -> None:
     engine.bucket_checksum = corrupted
 
 
+def fail_engine_call(engine: Any, method: str | None) -> None:
+    """Make ``engine.<method>()`` raise a ``RuntimeError`` naming it from now on (a process
+    whose engine fails at one step); ``None`` restores every method this made fail."""
+    for name in [name for name, value in vars(engine).items()
+                 if getattr(value, "fails_on_purpose", False)]:
+        del vars(engine)[name]
+    if method is None:
+        return
+
+    def fail(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError(f"{method} failed on purpose")
+
+    fail.fails_on_purpose = True  # pyright: ignore[reportFunctionMemberAccess]
+    setattr(engine, method, fail)
+
+
 class _ProcessHooks:
     """What tests ask of any process of a deployment: its resources, and faults of its
     engine (``checkpoint_engine``) and its control traffic."""
@@ -104,6 +121,11 @@ class _ProcessHooks:
         """Make this process's engine return wrong metadata from ``prepare()`` (see
         :func:`lie_in_prepare`); with no argument, its own again."""
         lie_in_prepare(self.checkpoint_engine, drop, update, instead)
+
+    def fail_engine_call(self, method: str | None) -> None:
+        """Make this process's engine raise from ``method`` (see :func:`fail_engine_call`);
+        ``None``: behave again."""
+        fail_engine_call(self.checkpoint_engine, method)
 
 
 class RecordingServerAdapter:

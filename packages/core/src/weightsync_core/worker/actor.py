@@ -10,7 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
+from weightsync_core.api.config import (
+    BEGIN_SYNC,
+    BUILT_SETTINGS,
+    DELTA_HELD,
+    CheckpointEngineConfig,
+)
 from weightsync_core.api.engine import (
     CheckpointEngine,
     SyncProgress,
@@ -30,6 +35,7 @@ from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
     AbortGate,
+    begin_sync,
     build_engine,
     built_settings,
     close_engine,
@@ -169,7 +175,9 @@ class ActorCheckpointEngineMixin:
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.api.config.BUILT_SETTINGS` answers what this process's engine
-        was built with (:func:`built_settings`), :data:`~weightsync_core.api.config.DELTA_HELD`
+        was built with (:func:`built_settings`),
+        :data:`~weightsync_core.api.config.BEGIN_SYNC` begins a sync in one call
+        (:func:`begin_sync`), :data:`~weightsync_core.api.config.DELTA_HELD`
         the delta version this rank holds a copy of (:meth:`delta_held`)."""
         self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
@@ -178,6 +186,9 @@ class ActorCheckpointEngineMixin:
         await self._engine_aborts.settled()
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.checkpoint_engine_config, self.checkpoint_engine)
+        if method == BEGIN_SYNC:
+            return await begin_sync(self.execute_checkpoint_engine, lambda: built_settings(
+                self.checkpoint_engine_config, self.checkpoint_engine), **kwargs)
         if method == DELTA_HELD and not kwargs:
             return self.delta_held()
         engine = self.checkpoint_engine

@@ -15,6 +15,7 @@ from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.api.engine import (
     CheckpointEngine,
 )
+from weightsync_core.api.errors import in_stage
 from weightsync_core.api.options import parse_options
 from weightsync_core.api.plugins import load_custom_backend_module
 from weightsync_core.api.registry import CheckpointEngineRegistry
@@ -22,6 +23,7 @@ from weightsync_core.net.blocking import run_blocking
 
 __all__ = [
     "AbortGate",
+    "begin_sync",
     "build_engine",
     "built_settings",
     "check_on_this_machine",
@@ -133,6 +135,23 @@ async def execute_engine_method(engine: CheckpointEngine, method: str,
         return await run_blocking(function, **kwargs)
     result = function(**kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+async def begin_sync(execute: Callable[..., Awaitable[Any]], settings: Callable[[], Any],
+                     key: bytes) -> dict[str, Any]:
+    """A worker's answer to :data:`~weightsync_core.api.config.BEGIN_SYNC`: the three stages
+    that begin a sync, in their order, in one call: ``execute("set_session_key", key=key)``
+    (stage ``authenticate``), ``execute("address")`` and ``settings()`` (``locate``),
+    ``execute("prepare")`` (``prepare``). ``execute`` is the worker's
+    ``execute_checkpoint_engine``; an error carries the stage it was raised in
+    (:func:`~weightsync_core.api.errors.failed_stage`)."""
+    with in_stage("authenticate"):
+        await execute("set_session_key", key=key)
+    with in_stage("locate"):
+        address, built = await execute("address"), settings()
+    with in_stage("prepare"):
+        metadata = await execute("prepare")
+    return {"address": address, "settings": built, "metadata": metadata}
 
 
 def written_for_verl(engine: CheckpointEngine) -> bool:

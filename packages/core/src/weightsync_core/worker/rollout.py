@@ -11,7 +11,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from weightsync_core.api.config import BUILT_SETTINGS, DELTA_HELD, CheckpointEngineConfig
+from weightsync_core.api.config import (
+    BEGIN_SYNC,
+    BUILT_SETTINGS,
+    DELTA_HELD,
+    CheckpointEngineConfig,
+)
 from weightsync_core.api.engine import CheckpointEngine, CheckpointEngineWithCache
 from weightsync_core.api.errors import WeightSyncError
 from weightsync_core.api.passes import passes_of
@@ -21,6 +26,7 @@ from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
     AbortGate,
+    begin_sync,
     build_engine,
     built_settings,
     engine_after_abort,
@@ -119,7 +125,9 @@ class CheckpointEngineWorker:
     async def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run one engine method (``prepare``, ``init_process_group``, ``finalize``, ...);
         :data:`~weightsync_core.api.config.BUILT_SETTINGS` answers what this process's engine
-        was built with (:func:`built_settings`), :data:`~weightsync_core.api.config.DELTA_HELD`
+        was built with (:func:`built_settings`),
+        :data:`~weightsync_core.api.config.BEGIN_SYNC` begins a sync in one call
+        (:func:`begin_sync`), :data:`~weightsync_core.api.config.DELTA_HELD`
         the delta version this worker holds a copy of."""
         if method == "abort" and not kwargs:
             await self._aborts.run(self._abort_engine)
@@ -127,6 +135,10 @@ class CheckpointEngineWorker:
         await self._aborts.settled()
         if method == BUILT_SETTINGS and not kwargs:
             return built_settings(self.config, self.checkpoint_engine)
+        if method == BEGIN_SYNC:
+            return await begin_sync(
+                self.execute_checkpoint_engine,
+                lambda: built_settings(self.config, self.checkpoint_engine), **kwargs)
         if method == DELTA_HELD and not kwargs:
             return {"version": self.delta_receiver.version, "needs_base": False}
         if method == "prepare":
