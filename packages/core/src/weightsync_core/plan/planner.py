@@ -30,14 +30,15 @@ __all__ = [
 ]
 
 MEASURED_CPU_COSTS: Mapping[str, EngineCosts] = {
-    "gloo": EngineCosts(per_bucket=0.0355),
-    "nixl": EngineCosts(per_bucket=0.0312, per_byte=2.354e-3 / 2**20),
-    "mooncake": EngineCosts(per_bucket=0.0060, per_byte=0.155e-3 / 2**20),
-    "kimi": EngineCosts(per_bucket=0.0500),
+    "gloo": EngineCosts(per_bucket=0.0, per_byte=0.210e-3 / 2**20),
+    "nixl": EngineCosts(per_bucket=0.0005, per_byte=0.217e-3 / 2**20),
+    "mooncake": EngineCosts(per_bucket=0.0012, per_byte=0.153e-3 / 2**20),
+    "kimi": EngineCosts(per_bucket=0.0, per_byte=0.464e-3 / 2**20),
 }
 """Engine costs beyond the wire with buckets in host memory over TCP, fitted
 (``weightsync-testbed fit``) from the 1-host cells of the testbed's 1 Gbit/s runs with 64 and
-8 MiB buckets (see ``docs/planner.md``, "Predicted and measured on the testbed")."""
+8 MiB buckets, 2026-12-06 at core 0.18.0 (see ``docs/planner.md``, "Predicted and measured on
+the testbed")."""
 
 ASSUMED_GPU_COSTS: Mapping[str, EngineCosts] = {
     **{name: EngineCosts(per_bucket=0.001) for name in ("nccl", "hccl", "nixl", "mooncake",
