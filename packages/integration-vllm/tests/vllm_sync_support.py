@@ -54,9 +54,9 @@ class Sender:
     Hugging Face model holding the same weights, in this process."""
 
     def __init__(self, model_path: str, backend: str = "gloo") -> None:
-        self.model_path = model_path
-        self.actor = ray.remote(num_cpus=0)(FaultySource).remote(sync_config(backend),
-                                                                 model_path, Faults())
+        self.model_path, self.backend = model_path, backend
+        self.perturbations: list[tuple[int, float]] = []
+        self.actor = self._started()
         self.reference = transformers.AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32)
 
@@ -66,6 +66,7 @@ class Sender:
         elements change); returns the reference's greedy tokens after ``prompts``."""
         seed = next(SEEDS)
         ray.get(self.actor.perturb.remote(seed, fraction=fraction))
+        self.perturbations.append((seed, fraction))
         perturb_(self.reference, seed, fraction=fraction)
         output = self.reference.generate(prompts, attention_mask=torch.ones_like(prompts),
                                          do_sample=False, max_new_tokens=new_tokens,
@@ -91,6 +92,19 @@ class Sender:
                  rollout.set_checkpoint_engine.remote(chosen)])
         return CheckpointEngineManager(chosen, RayWorkerGroup([self.actor]),
                                        [replica or RayRolloutReplica([rollout])])
+
+    def restart(self) -> None:
+        """A new sending actor in place of this one (killed, or dead), holding the same
+        weights (every perturbation replayed)."""
+        ray.kill(self.actor)
+        self.actor = self._started()
+
+    def _started(self) -> Any:
+        actor = ray.remote(num_cpus=0)(FaultySource).remote(sync_config(self.backend),
+                                                            self.model_path, Faults())
+        for seed, fraction in self.perturbations:  # in turn: float sums depend on order
+            ray.get(actor.perturb.remote(seed, fraction=fraction))
+        return actor
 
     def kill(self) -> None:
         ray.kill(self.actor)

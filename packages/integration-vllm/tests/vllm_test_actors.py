@@ -1,9 +1,12 @@
 """Actors of the vLLM tests (importable in Ray workers through PYTHONPATH)."""
 
+import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from weightsync_core.testing.actors import corrupt_bucket_checksum
 from weightsync_core.testing.weights import Faults, faulty_stream
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
 from weightsync_vllm.extension import WeightsyncWorkerExtension
@@ -25,6 +28,11 @@ class FaultySource(ModelWeightsSource):
     def set_faults(self, faults: Faults) -> None:
         """Misbehave as ``faults`` says from the next sync on."""
         self.faults = faults
+
+    def corrupt_checksum(self, bucket: int | None) -> None:
+        """Announce a wrong checksum for the ``bucket``-th bucket of the next syncs of this
+        engine (until it is rebuilt); None: the engine's own checksums again."""
+        corrupt_bucket_checksum(self.checkpoint_engine, bucket)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from faulty_stream(dict(super().iter_weights()), self.faults)
@@ -87,10 +95,25 @@ class _RefusingSwitch:
 
 
 class ProbedStagedWorker(StagedAsyncVLLMRolloutWorker):
-    """A staged AsyncLLM rollout worker that says whether vLLM's engine is paused, and can
-    make one of its vLLM workers refuse its next stage."""
+    """A staged AsyncLLM rollout worker that says whether vLLM's engine is paused, can make
+    one of its vLLM workers refuse its next stage, and can hang in its next pause."""
 
     _worker_extension = "vllm_test_actors.FaultyCommitExtension"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hang_in_next_pause = False
+
+    async def hang_in_next_pause(self) -> None:
+        """The next :meth:`pause_generation` never returns (vLLM is never paused: a switch
+        that cannot begin), until it is cancelled."""
+        self._hang_in_next_pause = True
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        if self._hang_in_next_pause:
+            self._hang_in_next_pause = False
+            await asyncio.Event().wait()
+        await super().pause_generation(mode)
 
     async def engine_paused(self) -> bool:
         """vLLM's own answer."""
