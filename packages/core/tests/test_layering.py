@@ -306,7 +306,8 @@ def test_the_circle_check_finds_a_type_only_circle(tmp_path):
 
 CORE_PUBLIC = ("weightsync_core", "weightsync_core.spi", "weightsync_core.verl_compat",
                "weightsync_core.cli", "weightsync_core.plan", "weightsync_core.bench",
-               "weightsync_core.testing", "weightsync_core.data.shards")
+               "weightsync_core.testing", "weightsync_core.data.shards",
+               "weightsync_core.data.quantization")
 """The modules of core other packages import (and the modules inside the packages)."""
 
 

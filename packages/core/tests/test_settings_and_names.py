@@ -68,7 +68,7 @@ def test_travel_settings_fill_in_defaults_and_leave_the_bucket_to_engines_that_p
     ).travel_settings(gloo)
     assert plain == explicit  # a default said aloud, and options of one machine, agree
     assert plain == {
-        "backend": "gloo", "rollout_dtype": None, "verify": True,
+        "backend": "gloo", "rollout_dtype": None, "rollout_quantization": None, "verify": True,
         "update_weights_bucket_megabytes": 512,
         "engine_kwargs['gloo']['senders']": 1,
         "engine_kwargs['gloo']['multi_sender']": False,

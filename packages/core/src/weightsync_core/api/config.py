@@ -116,6 +116,12 @@ class CheckpointEngineConfig:
         rollout_dtype: if set, floating-point tensors are cast to this dtype before sending:
             ``bfloat16``, ``float16`` or ``float32``
             (:data:`~weightsync_core.api.dtypes.ROLLOUT_DTYPES`).
+        rollout_quantization: if set, the format weights are quantized to on the sending
+            side: ``"fp8_block"`` (:mod:`weightsync_core.data.quantization`: each linear
+            layer's weight as float8_e4m3fn plus a float32 ``<name>_scale_inv`` per 128x128
+            block, as DeepSeek-V3/Qwen3-FP8 checkpoints store them; embeddings, the LM head,
+            norms and routers travel unquantized, cast to ``rollout_dtype`` where set).
+            Backends that deliver layouts (the sharded ones) refuse it.
         delta: after a full sync, send per tensor only what differs bitwise from the version
             every receiver of the sync holds (a patch; the whole tensor where a patch would
             be larger), and check every rebuilt tensor whole against the sender's digest
@@ -167,6 +173,7 @@ class CheckpointEngineConfig:
         gt=0, description="a finite number of seconds > 0")] = 600.0
     verify: bool = True
     rollout_dtype: str | None = None
+    rollout_quantization: Literal["fp8_block"] | None = None
     delta: bool = False
     full_verify_every: Annotated[int, Meta(
         ge=0, description="an integer >= 0 (every Nth delta-enabled sync is a full one; 0: "
@@ -286,6 +293,7 @@ class CheckpointEngineConfig:
 
         - ``backend``;
         - ``rollout_dtype`` (the dtype's name, or None);
+        - ``rollout_quantization`` (the format's name, or None);
         - ``verify``;
         - ``update_weights_bucket_megabytes``, where the engine packs buckets (not one that
           :attr:`~weightsync_core.api.engine.CheckpointEngine.executes_layouts`, whose pieces
@@ -312,6 +320,7 @@ class CheckpointEngineConfig:
         settings: dict[str, Any] = {
             "backend": self.backend,
             "rollout_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "rollout_quantization": self.rollout_quantization,
             "verify": bool(self.verify),
         }
         if not getattr(engine_cls, "executes_layouts", False):

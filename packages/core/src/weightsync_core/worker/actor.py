@@ -30,6 +30,7 @@ from weightsync_core.data.bucketing import (
     iter_named_tensors_sync,
 )
 from weightsync_core.data.delta import DeltaPlan, DeltaSender, SpreadDeltaSender
+from weightsync_core.data.quantization import QuantizedWeights
 from weightsync_core.data.shards.specs import LayoutSpec, weights_spec
 from weightsync_core.data.verification import ManifestGuard
 from weightsync_core.worker.delivery import deliver_weights
@@ -248,10 +249,13 @@ class ActorCheckpointEngineMixin:
         encoding = plan is not None and engine.sends_weights()
         source = (self.iter_weight_shards() if getattr(engine, "executes_layouts", False)
                   and self.weight_layout() is not None else self.iter_weights())
+        rollout_dtype = self.checkpoint_engine_config.rollout_torch_dtype
+        if self.checkpoint_engine_config.rollout_quantization is not None:
+            source, rollout_dtype = QuantizedWeights(source, rollout_dtype), None
         weights = self.delta_sender.encoded(
             engine, _ProducedWeights(source, engine.progress, taken,
                                      contiguous=written_for_verl(engine)),
-            plan, self.checkpoint_engine_config.rollout_torch_dtype, encoding)
+            plan, rollout_dtype, encoding)
         stats = await engine.send_weights(weights, global_steps)
         if not isinstance(stats, TransferStats):  # an engine written for verl returns None
             if not taken.num_tensors:  # it would only end the sync, blaming the receivers

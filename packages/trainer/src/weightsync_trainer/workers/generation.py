@@ -12,6 +12,12 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
+from weightsync_core.data.quantization import (
+    dequantize_fp8_block,
+    dequantized,
+    dequantized_stream,
+    quantized_weight_of,
+)
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.modeling import build_policy_model
@@ -161,18 +167,32 @@ class HFGenerationServer:
 
     def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, while it is staged, a tensor this model could not load (see
-        :meth:`_target`)."""
-        self._target(name, tensor, dict(self.model.named_parameters()))
+        :meth:`_target`; a quantized weight's scales: one per block of the weight)."""
+        params = dict(self.model.named_parameters())
+        weight = quantized_weight_of(name)
+        if weight is None:
+            self._target(name, tensor, params)
+            return
+        target = params.get(weight)
+        if target is None or target.dim() != 2:
+            raise KeyError(f"received scales {name!r} for {weight!r}, which the rollout model "
+                           "lacks (or is not a matrix)")
+        dequantize_fp8_block(torch.zeros(target.shape, dtype=torch.float8_e4m3fn), tensor)
+
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     async def update_weights(
         self, weights: AsyncIterator[tuple[str, torch.Tensor]], global_steps: int | None = None
     ) -> None:
         """Copy every received tensor into the parameter of that name (unless it is that
-        parameter, patched in place by a delta sync); all must arrive."""
+        parameter, patched in place by a delta sync; a float8 weight dequantized with its
+        scales); all must arrive."""
         params = dict(self.model.named_parameters())
         seen: set[str] = set()
         with torch.no_grad():
-            async for name, tensor in weights:
+            async for name, tensor in dequantized_stream(weights, self._compute_dtype):
                 target = self._target(name, tensor, params)
                 if tensor.data_ptr() != target.data_ptr():
                     target.copy_(tensor)
@@ -184,10 +204,11 @@ class HFGenerationServer:
                      ) -> dict[str, torch.Tensor]:
         """Adopt ``tensors`` (a staged version, every parameter by name) as the parameters'
         data, all or nothing (every one is checked first), under a pause; return the
-        tensors they held (the version served until now)."""
+        tensors they held (the version served until now). Float8 weights are dequantized
+        with their scales first."""
         params = dict(self.model.named_parameters())
         adopted = {}
-        for name, tensor in tensors.items():
+        for name, tensor in dequantized(tensors, self._compute_dtype).items():
             target = self._target(name, tensor, params)
             adopted[name] = tensor.to(device=target.device, dtype=target.dtype).contiguous()
         self._check_whole(set(adopted), params, version)

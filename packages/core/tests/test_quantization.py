@@ -1,0 +1,189 @@
+"""Quantize on send (``rollout_quantization="fp8_block"``): the package's quantizer against a
+reference written here from the format's definition (float8_e4m3fn's values enumerated from
+its bit layout, nearest value with ties to an even mantissa, numpy float32 arithmetic), the
+tensors it leaves alone, and whole syncs over gloo (full and delta) whose receivers get
+exactly the reference's bytes and scales."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
+from weightsync_core.data.quantization import (
+    QuantizedWeights,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    quantizes,
+)
+from weightsync_core.testing import SyncHarness
+from weightsync_core.testing.weights import ONE_ELEMENT, digests, make_weights, sparse_updates
+
+
+def _e4m3fn_values() -> tuple[np.ndarray, np.ndarray]:
+    """Every finite non-negative float8_e4m3fn value (ascending) and its bit pattern: sign 1
+    bit, exponent 4 (bias 7), mantissa 3; exponent 0 is subnormal (m/8 * 2^-6); the pattern
+    with every exponent and mantissa bit set is NaN (no infinities)."""
+    values, codes = [], []
+    for code in range(0x7F):  # 0x7F: NaN
+        exponent, mantissa = code >> 3, code & 7
+        value = (mantissa / 8 * 2.0**-6 if exponent == 0
+                 else (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+        values.append(value)
+        codes.append(code)
+    return np.array(values, dtype=np.float64), np.array(codes, dtype=np.uint8)
+
+
+_VALUES, _CODES = _e4m3fn_values()
+
+
+def _round_to_e4m3fn(x: np.ndarray) -> np.ndarray:
+    """The bit patterns of ``x`` (float32, within +-448) rounded to the nearest value, a tie
+    to the even pattern."""
+    magnitude = np.abs(x.astype(np.float64))
+    upper = np.searchsorted(_VALUES, magnitude).clip(1, len(_VALUES) - 1)
+    low, high = _VALUES[upper - 1], _VALUES[upper]
+    to_high = (high - magnitude < magnitude - low) | (
+        (high - magnitude == magnitude - low) & (_CODES[upper] % 2 == 0))
+    codes = np.where(to_high, _CODES[upper], _CODES[upper - 1])
+    return codes | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+
+
+def reference_fp8_block(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Block by block, as the format says: scale = max(amax, 1e-4) / 448 in float32, each
+    element x / scale in float32, clamped to +-448 and rounded."""
+    x = weight.float().numpy()
+    rows, columns = x.shape
+    row_blocks, column_blocks = -(-rows // 128), -(-columns // 128)
+    codes = np.zeros((rows, columns), dtype=np.uint8)
+    scales = np.zeros((row_blocks, column_blocks), dtype=np.float32)
+    for i in range(row_blocks):
+        for j in range(column_blocks):
+            block = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            amax = np.float32(np.abs(block).max())
+            scale = np.float32(np.maximum(amax, np.float32(1e-4)) / np.float32(448))
+            scaled = np.clip(block / scale, np.float32(-448), np.float32(448))
+            codes[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = _round_to_e4m3fn(scaled)
+            scales[i, j] = scale
+    return codes, scales
+
+
+def test_the_reference_rounds_like_the_definition():
+    # exact values, ties to even, subnormals, the largest value, signs
+    x = np.array([0.0, 17.0, 19.0, 448.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, -1.125, -17.0],
+                 dtype=np.float32)
+    expected = [0.0, 16.0, 20.0, 448.0, 2.0**-9, 0.0, 2 * 2.0**-9, -1.125, -16.0]
+    codes = _round_to_e4m3fn(x)
+    signs = np.where(codes & 0x80, -1.0, 1.0)
+    assert list(signs * _VALUES[np.searchsorted(_CODES, codes & 0x7F)]) == expected
+
+
+def _weight(rows: int, columns: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=generator) * torch.logspace(
+        -6, 3, columns).float()  # blocks of very different magnitudes
+    weight[: min(rows, 128), : min(columns, 128)] = 0.0  # an all-zero block
+    weight[-1, -1] = 1e4  # past what float8 holds, before scaling
+    return weight.to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (1, 5), (257, 129), (64, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_block_bytes_and_scales_equal_the_reference(shape, dtype):
+    weight = _weight(*shape, seed=sum(shape), dtype=dtype)
+    quantized, scale_inv = quantize_fp8_block(weight)
+    codes, scales = reference_fp8_block(weight)
+    assert quantized.dtype == torch.float8_e4m3fn and quantized.shape == weight.shape
+    assert scale_inv.dtype == torch.float32
+    assert np.array_equal(quantized.view(torch.uint8).numpy(), codes)
+    assert np.array_equal(scale_inv.numpy(), scales)
+
+
+def test_dequantized_is_each_value_times_its_blocks_scale():
+    weight = _weight(300, 200, seed=3, dtype=torch.float32)
+    quantized, scale_inv = quantize_fp8_block(weight)
+    restored = dequantize_fp8_block(quantized, scale_inv, torch.float32)
+    codes, scales = reference_fp8_block(weight)
+    signs = np.where(codes & 0x80, -1.0, 1.0)
+    values = signs * _VALUES[np.searchsorted(_CODES, codes & 0x7F)]
+    expected = values * np.repeat(np.repeat(scales, 128, 0), 128, 1)[:300, :200]
+    assert np.array_equal(restored.numpy(), expected.astype(np.float32))
+    assert (restored - weight).abs().max() <= weight.abs().max() / 16  # within fp8's step
+    with pytest.raises(ValueError, match="300x200 fp8_block weight has 3x2 block scales"):
+        dequantize_fp8_block(quantized, scale_inv[:, :1])
+
+
+def test_what_stays_unquantized():
+    matrix, vector = torch.zeros(4, 4), torch.zeros(4)
+    assert quantizes("model.layers.0.self_attn.q_proj.weight", matrix)
+    assert quantizes("model.layers.0.mlp.gate_proj.weight", matrix)
+    assert quantizes("model.layers.0.mlp.experts.3.down_proj.weight", matrix)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.mlp.shared_expert_gate.weight",
+                 "model.layers.0.self_attn.kv_a_layernorm.weight"):
+        assert not quantizes(name, matrix), name
+    assert not quantizes("model.layers.0.self_attn.q_proj.bias", matrix)
+    assert not quantizes("model.layers.0.self_attn.q_proj.weight", vector)
+    assert not quantizes("model.layers.0.self_attn.q_proj.weight", matrix.int())
+
+
+def _expected(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a receiver must hold: the reference's bytes and scales for every weight that is
+    quantized (its scales right after it), every other tensor in bfloat16."""
+    expected: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if quantizes(name, tensor):
+            codes, scales = reference_fp8_block(tensor)
+            expected[name] = torch.from_numpy(codes).view(torch.float8_e4m3fn)
+            expected[name + "_scale_inv"] = torch.from_numpy(scales)
+        else:
+            expected[name] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    return expected
+
+
+def test_the_stream_quantizes_in_order_and_casts_the_rest():
+    weights = make_weights(4, 1 << 20, "decoder")
+    streamed = list(QuantizedWeights(weights, torch.bfloat16))
+    assert [name for name, _ in streamed] == list(_expected(weights))
+    assert digests(dict(streamed)) == digests(_expected(weights))
+
+
+CONFIG = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1,
+                                rollout_dtype="bfloat16", rollout_quantization="fp8_block",
+                                delta=True, sync_timeout_seconds=60)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    harness = SyncHarness(CONFIG, actor_world_size=1, replica_sizes=(1, 1))
+    yield harness
+    harness.shutdown()
+
+
+def test_ten_delta_syncs_of_fp8_are_the_references_bytes_on_every_worker(harness):
+    manager = harness.manager()
+    changes = [(), (), [(1, 1.0)], [(2, ONE_ELEMENT)], [(3, 0.02)], [(4, 0.02)], (),
+               [(5, 1.0)], [(6, ONE_ELEMENT)], [(7, 0.02)]]  # none, all, one element, 2%
+    updates: list[tuple[int, float]] = []
+    for step, change in enumerate(changes):
+        updates += list(change)
+        harness.set_weights(11, "decoder", updates=updates)
+        metrics = manager.update_weights(step)
+        assert metrics["weightsync/delta"] == (0.0 if step == 0 else 1.0), step
+        if step and not change:
+            assert metrics["weightsync/changed_fraction"] == 0.0
+        weights = sparse_updates(make_weights(11, CONFIG.bucket_size_bytes, "decoder"), updates)
+        expected = digests(_expected(weights))
+        for report in harness.reports():
+            assert report["received"] == expected, step
+
+
+def test_a_sharded_backend_refuses_quantization_before_any_byte_moves(harness):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="rollout_quantization='fp8_block': backend "
+                       "'gloo_sharded' delivers each worker its slices"):
+        CheckpointEngineManager(replace(CONFIG, backend="gloo_sharded", delta=False),
+                                harness.actor_wg, harness.replicas)
