@@ -6,11 +6,13 @@ exactly the reference's bytes and scales."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from weightsync_core import CheckpointEngineConfig, CheckpointEngineManager
+from weightsync_core import CheckpointEngineManager, RayWorkerGroup
 from weightsync_core.data.quantization import (
     QuantizedWeights,
     dequantize_fp8_block,
@@ -18,7 +20,8 @@ from weightsync_core.data.quantization import (
     quantizes,
 )
 from weightsync_core.testing import SyncHarness
-from weightsync_core.testing.weights import ONE_ELEMENT, digests, make_weights, sparse_updates
+from weightsync_core.testing.quantized_syncs import check_quantized_delta_syncs, quantized_config
+from weightsync_core.testing.weights import digests, make_weights
 
 
 def _e4m3fn_values() -> tuple[np.ndarray, np.ndarray]:
@@ -150,40 +153,25 @@ def test_the_stream_quantizes_in_order_and_casts_the_rest():
     assert digests(dict(streamed)) == digests(_expected(weights))
 
 
-CONFIG = CheckpointEngineConfig(backend="gloo", update_weights_bucket_megabytes=1,
-                                rollout_dtype="bfloat16", rollout_quantization="fp8_block",
-                                delta=True, sync_timeout_seconds=60)
+CONFIG = quantized_config("gloo")
 
 
-@pytest.fixture(scope="module")
-def harness():
-    harness = SyncHarness(CONFIG, actor_world_size=1, replica_sizes=(1, 1))
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda ranks: f"{ranks} actor ranks")
+def harness(request):
+    # every actor rank yields the same full tensors (an FSDP actor's gathers): the delta
+    # copy is spread over the ranks, each quantizing the same tensors the same way
+    harness = SyncHarness(CONFIG, actor_world_size=request.param,
+                          replica_sizes=(1, 1) if request.param == 1 else (1,))
     yield harness
     harness.shutdown()
 
 
-def test_ten_delta_syncs_of_fp8_are_the_references_bytes_on_every_worker(harness):
-    manager = harness.manager()
-    changes = [(), (), [(1, 1.0)], [(2, ONE_ELEMENT)], [(3, 0.02)], [(4, 0.02)], (),
-               [(5, 1.0)], [(6, ONE_ELEMENT)], [(7, 0.02)]]  # none, all, one element, 2%
-    updates: list[tuple[int, float]] = []
-    for step, change in enumerate(changes):
-        updates += list(change)
-        harness.set_weights(11, "decoder", updates=updates)
-        metrics = manager.update_weights(step)
-        assert metrics["weightsync/delta"] == (0.0 if step == 0 else 1.0), step
-        if step and not change:
-            assert metrics["weightsync/changed_fraction"] == 0.0
-        weights = sparse_updates(make_weights(11, CONFIG.bucket_size_bytes, "decoder"), updates)
-        expected = digests(_expected(weights))
-        for report in harness.reports():
-            assert report["received"] == expected, step
+def test_ten_delta_syncs_of_fp8_are_the_quantized_bytes_on_every_worker(harness):
+    check_quantized_delta_syncs(harness)
 
 
-def test_a_sharded_backend_refuses_quantization_before_any_byte_moves(harness):
-    from dataclasses import replace
-
+def test_a_sharded_backend_refuses_quantization_before_any_byte_moves():
     with pytest.raises(ValueError, match="rollout_quantization='fp8_block': backend "
                        "'gloo_sharded' delivers each worker its slices"):
         CheckpointEngineManager(replace(CONFIG, backend="gloo_sharded", delta=False),
-                                harness.actor_wg, harness.replicas)
+                                RayWorkerGroup([]), [])

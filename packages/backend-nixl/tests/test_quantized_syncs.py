@@ -1,0 +1,21 @@
+"""Syncs quantized on send (``rollout_quantization="fp8_block"``) over ``nixl``: ten delta syncs
+in a row (none, all, one element, 2% changed), every worker bit-exact on the float8 bytes and
+scales each time."""
+
+import pytest
+
+from weightsync_core.testing import SyncHarness
+from weightsync_core.testing.quantized_syncs import check_quantized_delta_syncs, quantized_config
+
+
+@pytest.fixture(scope="module")
+def harness():
+    config = quantized_config(
+        "nixl", engine_kwargs={"nixl": {"device": "cpu", "ucx_transports": "tcp"}})
+    harness = SyncHarness(config, actor_world_size=1, replica_sizes=(1, 1))
+    yield harness
+    harness.shutdown()
+
+
+def test_ten_delta_syncs_of_fp8_are_the_quantized_bytes_on_every_worker(harness):
+    check_quantized_delta_syncs(harness)
