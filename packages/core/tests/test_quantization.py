@@ -91,7 +91,8 @@ def _weight(rows: int, columns: int, seed: int, dtype: torch.dtype) -> torch.Ten
     return weight.to(dtype)
 
 
-@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (1, 5), (257, 129), (64, 1000)])
+@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (1, 5), (257, 129), (64, 1000),
+                                   (9000, 130)])  # the last: several steps of the quantizer
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_block_bytes_and_scales_equal_the_reference(shape, dtype):
     weight = _weight(*shape, seed=sum(shape), dtype=dtype)
@@ -175,3 +176,16 @@ def test_a_sharded_backend_refuses_quantization_before_any_byte_moves():
                        "'gloo_sharded' delivers each worker its slices"):
         CheckpointEngineManager(replace(CONFIG, backend="gloo_sharded", delta=False),
                                 RayWorkerGroup([]), [])
+
+
+def test_the_benchmark_measures_bf16_against_fp8_side_by_side():
+    from weightsync_core.bench.quantized import run_quantized_benchmark
+
+    result = run_quantized_benchmark("gloo", {}, size_megabytes=16, num_tensors=2, repeats=2,
+                                     bucket_megabytes=4)
+    derived = result.as_dict()
+    assert [row.mode for row in result.rows] == ["bf16", "fp8_block", "fp8_block delta"]
+    assert 1.99 < derived["bytes_ratio"] < 2.0  # 1 byte per element and 4 per 128x128 block
+    assert 0.0 < result.row("fp8_block delta").changed_fraction < 1.0
+    assert set(result.quantize_seconds_per_gib) == {"float32", "bfloat16"}
+    assert "bf16 / fp8_block" in result.table()

@@ -62,11 +62,11 @@ CASES = {
     "killed sender, phase 1": Case("die", "sender", 1, "transfer"),
     "corrupted bucket, phase 1": Case("corrupt", "sender", 1, "transfer"),
     "refused tensor, phase 1": Case("unknown name", "vllm", 1, "transfer"),
-    "timeout, phase 1": Case("stall", "bystander", 1, "transfer", timeout=5.0),
+    "timeout, phase 1": Case("stall", "bystander", 1, "transfer", timeout=8.0),
     "killed receiver, phase 1": Case("die", "bystander", 1, "transfer"),
     "killed sender, phase 2": Case("die", "sender", 2, None, takes_new=True),
     "refused switch, phase 2": Case("refuse", "vllm", 2, "commit"),
-    "timeout, phase 2": Case("stall", "vllm", 2, "commit", timeout=5.0),
+    "timeout, phase 2": Case("stall", "vllm", 2, "commit", timeout=8.0),
     "killed receiver, phase 2": Case("die", "bystander", 2, "commit", takes_new=True),
 }
 

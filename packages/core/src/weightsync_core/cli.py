@@ -128,7 +128,16 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     common = {"size_megabytes": args.size_mb, "num_tensors": args.tensors,
               "repeats": args.repeats, "verify": not args.no_verify}
-    if args.delta:
+    if args.quantization:
+        from weightsync_core.bench.quantized import run_quantized_benchmark
+
+        if not _connect("bench", args.address):
+            return 1
+        result = run_quantized_benchmark(
+            args.backend, args.engine_kwargs, args.size_mb, args.tensors, args.repeats,
+            args.bucket_mb or 64, args.learning_rate,
+        )
+    elif args.delta:
         from weightsync_core.bench.delta import run_delta_benchmark
 
         if not _connect("bench", args.address):
@@ -304,9 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--delta", action="store_true",
                        help="full against delta syncs (config.delta) of bf16 weights after "
                        "an optimizer step of fp32 masters, to one rollout worker")
+    bench.add_argument("--quantization", action="store_true",
+                       help="bf16 against fp8_block syncs (config.rollout_quantization) of "
+                       "fp32 masters, and fp8_block delta syncs after optimizer steps, to one "
+                       "rollout worker; and what quantizing costs per GiB here")
     bench.add_argument("--learning-rate", type=_positive, default=1.6e-5,
-                       help="--delta: each step's move per master element (1.6e-5 changes "
-                       "about 2%% of the bf16 elements)")
+                       help="--delta, --quantization: each step's move per master element "
+                       "(1.6e-5 changes about 2%% of the bf16 elements)")
     bench.add_argument("--json-out", help="also write the result as JSON to this file")
     bench.add_argument("--address", help=_ADDRESS_HELP)
     bench.set_defaults(run=_bench, refuse=bench.error)

@@ -57,15 +57,17 @@ def synthetic_deployment(
     size_bytes: int,
     num_tensors: int,
     placement: Placement | None = None,
+    columns: int | None = None,
 ) -> Iterator[tuple[Deployment, int]]:
     """A started :class:`~weightsync_core.orchestration.deployment.Deployment` whose every
     actor rank holds
-    ``num_tensors`` equal float32 tensors of about ``size_bytes`` in all; yields it with the
-    bytes each rank holds, and shuts it down on leaving."""
+    ``num_tensors`` equal float32 tensors of about ``size_bytes`` in all (matrices of
+    ``columns`` columns where given); yields it with the bytes each rank holds, and shuts it
+    down on leaving."""
     ensure_ray()
     deployment = Deployment(config, actor_world_size, replica_sizes, placement=placement)
     try:
-        sizes = ray.get([actor.set_uniform_weights.remote(size_bytes, num_tensors)
+        sizes = ray.get([actor.set_uniform_weights.remote(size_bytes, num_tensors, columns)
                          for actor in deployment.actors])
         yield deployment, sizes[0]
     finally:

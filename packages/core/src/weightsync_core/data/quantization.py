@@ -85,19 +85,42 @@ def _padded(tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     return padded.view(row_blocks, QUANTIZED_BLOCK, column_blocks, QUANTIZED_BLOCK)
 
 
+_CHUNK_BYTES = 4 << 20
+"""About how many bytes of float32 one step of :func:`quantize_fp8_block` works on (whole
+block rows): small enough to stay in cache, so no pass faults in fresh memory."""
+
+
 def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` (2-D, floating point, any device) as float8_e4m3fn of its shape and its
-    float32 scales ``[ceil(rows / 128), ceil(columns / 128)]``, by the module's rule."""
+    float32 scales ``[ceil(rows / 128), ceil(columns / 128)]``, by the module's rule.
+
+    It works through the weight a few block rows at a time in one float32 buffer, writing
+    each step's float8 values straight into the result."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"fp8_block quantizes 2-D floating-point weights, got a "
                          f"{weight.dim()}-D {weight.dtype} tensor")
     rows, columns = weight.shape
-    blocks = _padded(weight.float())
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scale = amax.clamp_min(MIN_AMAX) / FP8_MAX
-    quantized = (blocks / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    flat = quantized.view(blocks.shape[0] * QUANTIZED_BLOCK, -1)[:rows, :columns]
-    return flat.contiguous(), scale.view(blocks.shape[0], blocks.shape[2]).contiguous()
+    row_blocks, column_blocks = _blocks(rows, columns)
+    padded_columns = column_blocks * QUANTIZED_BLOCK
+    quantized = torch.empty((rows, columns), dtype=torch.float8_e4m3fn, device=weight.device)
+    scales = torch.empty((row_blocks, column_blocks), dtype=torch.float32,
+                         device=weight.device)
+    step = QUANTIZED_BLOCK * max(1, _CHUNK_BYTES // (QUANTIZED_BLOCK * padded_columns * 4))
+    buffer = torch.zeros((min(step, row_blocks * QUANTIZED_BLOCK), padded_columns),
+                         dtype=torch.float32, device=weight.device)
+    for first in range(0, rows, step):
+        last = min(first + step, rows)
+        count = last - first
+        blocks_here = -(-count // QUANTIZED_BLOCK)
+        chunk = buffer[: blocks_here * QUANTIZED_BLOCK]
+        chunk[:count, :columns].copy_(weight[first:last])
+        chunk[count:].zero_()  # a partial last block row: rows past the weight count as 0
+        blocks = chunk.view(blocks_here, QUANTIZED_BLOCK, column_blocks, QUANTIZED_BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min_(MIN_AMAX).div_(FP8_MAX)
+        scales[first // QUANTIZED_BLOCK: first // QUANTIZED_BLOCK + blocks_here] = scale
+        blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+        quantized[first:last].copy_(chunk[:count, :columns])
+    return quantized, scales
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,

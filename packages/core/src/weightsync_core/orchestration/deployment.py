@@ -9,6 +9,7 @@ every tensor and keeps nothing (:class:`DiscardingRolloutWorker`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -118,12 +119,15 @@ class UniformWeightsSource(ActorCheckpointEngineMixin):
         held = resolve_layout(self.layout, shapes, "this actor rank")
         return ((name, box.cut(self.weights[name])) for name, box in held.boxes.items())
 
-    def set_uniform_weights(self, total_bytes: int, num_tensors: int) -> int:
+    def set_uniform_weights(self, total_bytes: int, num_tensors: int,
+                            columns: int | None = None) -> int:
         """Replace the weights by ``num_tensors`` equal float32 tensors of at most
-        ``total_bytes`` in all; returns their total size in bytes."""
+        ``total_bytes`` in all (matrices of ``columns`` columns where given, as a linear
+        layer's weights; else flat); returns their total size in bytes."""
         numel = total_bytes // num_tensors // 4
-        self.weights = {f"layer.{i}.weight": torch.rand(numel) for i in range(num_tensors)}
-        return numel * 4 * num_tensors
+        shape = (numel,) if columns is None else (numel // columns, columns)
+        self.weights = {f"layer.{i}.weight": torch.rand(shape) for i in range(num_tensors)}
+        return math.prod(shape) * 4 * num_tensors
 
     def optimizer_step(self, learning_rate: float, seed: int) -> None:
         """Move every element by ``learning_rate`` up or down (the size of an Adam update,
