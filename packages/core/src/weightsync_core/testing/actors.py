@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
@@ -17,6 +18,8 @@ import torch
 
 from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.data.bucketing import WeightsSource
+from weightsync_core.data.shards.experts import per_expert_shapes, per_expert_stream
+from weightsync_core.data.shards.layout import fsdp_layout
 from weightsync_core.data.shards.specs import LayoutSpec, resolve_layout
 from weightsync_core.testing.replay import tap_control_frames
 from weightsync_core.testing.resources import process_resources
@@ -354,16 +357,33 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         return {name: tensor.reshape(-1) if name == self.faults.reshape else tensor
                 for name, tensor in self.weights.items()}
 
+    def _fused_experts(self) -> tuple[int, int] | None:
+        """``(world_size, rank)`` where this rank holds fused experts as FSDP2 shards them
+        and streams them per expert (an ``fsdp`` layout with ``fused_experts``)."""
+        fsdp = (self.layout or {}).get("fsdp") or {}
+        return (fsdp["world_size"], fsdp["rank"]) if fsdp.get("fused_experts") else None
+
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(tensor.shape), tensor.dtype)
-                for name, tensor in self._declared().items()}
+        shapes = {name: (tuple(tensor.shape), tensor.dtype)
+                  for name, tensor in self._declared().items()}
+        return per_expert_shapes(shapes) if self._fused_experts() else shapes
 
     def iter_weight_shards(self) -> WeightsSource:
         self.weight_streams += 1
         declared = self._declared()
         shapes = {name: tuple(tensor.shape) for name, tensor in declared.items()}
-        held = resolve_layout(self.layout, shapes, "this actor rank")
-        shards = {name: box.cut(declared[name]) for name, box in held.boxes.items()}
+        if fused := self._fused_experts():
+            # FSDP2's Shard(0) of every tensor, fused experts included (whole experts per
+            # rank), their experts streamed one at a time, as views
+            world_size, rank = fused
+            rows = fsdp_layout(shapes, world_size, rank)
+            experts = max((shape[0] for name, shape in shapes.items() if len(shape) == 3),
+                          default=0)
+            local = ((name, box.cut(declared[name])) for name, box in rows.boxes.items())
+            shards = dict(per_expert_stream(local, rank * math.ceil(experts / world_size)))
+        else:
+            held = resolve_layout(self.layout, shapes, "this actor rank")
+            shards = {name: box.cut(declared[name]) for name, box in held.boxes.items()}
         return cast(WeightsSource, faulty_stream(shards, self.faults))
 
     def iter_weights(self) -> WeightsSource:

@@ -1,5 +1,6 @@
 """Conformance cases of sharded delivery, for backends whose engine sets
-``executes_layouts``: FSDP-style actor ranks into tensor-parallel replicas. Mix into the
+``executes_layouts``: FSDP-style actor ranks into tensor-parallel replicas, dense and
+mixture-of-experts (experts split by tensor or by expert). Mix into the
 backend's conformance class (one deployment serves both)::
 
     class TestShardedGlooConformance(CheckpointEngineConformanceTests,
@@ -23,6 +24,7 @@ from weightsync_core.data.bucketing import cast_for_rollout
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     fsdp_spec,
+    moe_spec,
     resolve_layout,
     tensor_parallel_spec,
 )
@@ -30,7 +32,14 @@ from weightsync_core.data.shards.tensor_parallel import DecoderShape
 from weightsync_core.orchestration.ray_group import RayRolloutReplica
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
-from weightsync_core.testing.weights import DECODER, Faults, TensorDigest, digest, make_weights
+from weightsync_core.testing.weights import (
+    DECODER,
+    MOE,
+    Faults,
+    TensorDigest,
+    digest,
+    make_weights,
+)
 
 __all__ = ["ShardedDeliveryConformanceTests"]
 
@@ -43,8 +52,14 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
 
     case_processes: ClassVar[Mapping[str, Sequence[tuple[str, int]]]] = {
         "test_sharded_added_tp_replica_gets_its_slices": (("replica", 2),),
+        "test_sharded_moe_into_tp_and_ep_replicas": (("replica", 2),),
         "test_sharded_sender_that_dies_is_blamed": (("actor", 1),),
     }
+
+    moe_storage: ClassVar[str] = "moe_fused"
+    """How the actor ranks of the mixture-of-experts case hold the experts: ``moe_fused``
+    (transformers 5's fused tensors, streamed per expert) or ``moe`` (one tensor per
+    expert, FSDP rows of each)."""
 
     @staticmethod
     def _worker_layouts(harness: SyncHarness, replicas: Sequence[RayRolloutReplica]
@@ -56,14 +71,16 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
                 for replica in replicas for rank in range(len(replica.workers))]
 
     @contextlib.contextmanager
-    def _sharded(self, harness: SyncHarness, replicas: Sequence[RayRolloutReplica]
-                 ) -> Iterator[list[LayoutSpec | None]]:
-        """FSDP rows on the actor ranks, tensor-parallel layouts on ``replicas``; everything
-        whole again afterwards."""
+    def _sharded(self, harness: SyncHarness, replicas: Sequence[RayRolloutReplica],
+                 layouts: Sequence[LayoutSpec | None] | None = None,
+                 fused_experts: bool = False) -> Iterator[list[LayoutSpec | None]]:
+        """FSDP rows on the actor ranks (``fused_experts``: of a model holding its experts
+        fused, streamed per expert), tensor-parallel layouts on ``replicas`` (or
+        ``layouts``, one per worker); everything whole again afterwards."""
         size = len(harness.actors)
-        layouts = self._worker_layouts(harness, replicas)
+        layouts = list(layouts or self._worker_layouts(harness, replicas))
         workers = [worker for replica in replicas for worker in replica.workers]
-        ray.get([actor.set_layout.remote(fsdp_spec(size, rank))
+        ray.get([actor.set_layout.remote(fsdp_spec(size, rank, fused_experts))
                  for rank, actor in enumerate(harness.actors)])
         ray.get([worker.set_layout.remote(layout)
                  for worker, layout in zip(workers, layouts, strict=True)])
@@ -79,11 +96,14 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             self.assert_delivered(harness, expected, replicas)
 
     def _expected(self, harness: SyncHarness, seed: int,
-                  layouts: Sequence[LayoutSpec | None]) -> list[dict[str, TensorDigest]]:
-        """What each worker of ``layouts`` must receive: the digests of its boxes."""
+                  layouts: Sequence[LayoutSpec | None], profile: str = _PROFILE
+                  ) -> list[dict[str, TensorDigest]]:
+        """What each worker of ``layouts`` must receive: the digests of its boxes of the
+        weights of ``profile`` (``moe_fused`` streams as ``moe``)."""
         dtype = parse_dtype(harness.config.rollout_dtype)
+        streamed = "moe" if profile == "moe_fused" else profile
         weights = {name: cast_for_rollout(tensor, dtype) for name, tensor in
-                   make_weights(seed, harness.config.bucket_size_bytes, _PROFILE).items()}
+                   make_weights(seed, harness.config.bucket_size_bytes, streamed).items()}
         shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
         expected = []
         for index, spec in enumerate(layouts):
@@ -95,15 +115,17 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
     def _sync_and_check(self, harness: SyncHarness, manager: Any, seed: int,
                         replicas: Sequence[RayRolloutReplica],
                         layouts: Sequence[LayoutSpec | None],
-                        allow_manifest_change: bool = False) -> dict[str, float]:
-        """Sync the ``decoder`` weights of ``seed`` (``allow_manifest_change``: the first
-        sync of a case, whose workers held other tensors before); check every worker."""
-        harness.set_weights(seed=seed, profile=_PROFILE)
+                        allow_manifest_change: bool = False, profile: str = _PROFILE
+                        ) -> dict[str, float]:
+        """Sync the weights of ``profile`` (``decoder`` by default) of ``seed``
+        (``allow_manifest_change``: the first sync of a case, whose workers held other
+        tensors before); check every worker."""
+        harness.set_weights(seed=seed, profile=profile)
         metrics = manager.update_weights_sync(global_steps=seed,
                                               allow_manifest_change=allow_manifest_change)
         reports = harness.reports(replicas)
         for index, (report, expected) in enumerate(zip(
-                reports, self._expected(harness, seed, layouts), strict=True)):
+                reports, self._expected(harness, seed, layouts, profile), strict=True)):
             assert report["received"] == expected, (
                 f"rollout rank {index} ({layouts[index]}): received "
                 f"{sorted(report['received'])[:3]}..., differing "
@@ -150,6 +172,39 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
         finally:
             for worker in added.workers:
                 ray.kill(worker)
+        assert metrics["weightsync/bytes_sent"] == _distinct_bytes(expected)
+
+    def test_sharded_moe_into_tp_and_ep_replicas(self, harness: SyncHarness) -> None:
+        """A mixture-of-experts model whose actor ranks hold its experts as
+        :attr:`moe_storage` says (fused: FSDP2 rows of ``gate_up_proj`` [E, 2I, H], whole
+        experts, streamed per expert as views; per expert: FSDP rows of each expert's
+        tensors) into the replicas (one of one worker: the whole model; of two: TP=2,
+        each expert's gate/up rows and down
+        columns halved) and an added EP=2 replica (experts 0-1 on one worker, 2-3 on the
+        other, attention still tensor-parallel), two syncs: every worker gets exactly its
+        slices; the actor ranks send each distinct slice once."""
+        added = harness.new_replica(2)
+        replicas = [*harness.replicas, added]
+        layouts = [None if len(replica.workers) == 1 else
+                   moe_spec(MOE, len(replica.workers), rank, expert_parallel=replica is added)
+                   for replica in replicas for rank in range(len(replica.workers))]
+        manager = harness.manager(replicas)
+        try:
+            with self._sharded(harness, replicas, layouts,
+                               fused_experts=self.moe_storage == "moe_fused"):
+                for seed in (81, 82):
+                    metrics = self._sync_and_check(harness, manager, seed, replicas, layouts,
+                                                   allow_manifest_change=seed == 81,
+                                                   profile=self.moe_storage)
+                expected = self._expected(harness, 82, layouts, self.moe_storage)
+        finally:
+            for worker in added.workers:
+                ray.kill(worker)
+        experts = [{name for name in boxes if ".experts." in name} for boxes in expected]
+        whole = [index for index, spec in enumerate(layouts) if spec is None]
+        assert all(len(experts[index]) == 3 * MOE.num_experts for index in whole)
+        assert experts[-2].isdisjoint(experts[-1]) and len(experts[-1]) == 6  # EP: 2 each
+        assert all(len(names) == 3 * MOE.num_experts for names in experts[:-2])  # TP: all
         assert metrics["weightsync/bytes_sent"] == _distinct_bytes(expected)
 
     def test_sharded_mismatched_geometry_is_refused_at_prepare(self, harness: SyncHarness

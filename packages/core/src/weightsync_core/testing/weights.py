@@ -10,10 +10,12 @@ import torch
 import xxhash
 
 from weightsync_core.data.bucketing import as_bytes, cast_for_rollout
+from weightsync_core.data.shards.experts import MoEShape
 from weightsync_core.data.shards.tensor_parallel import DecoderShape
 
 __all__ = [
     "DECODER",
+    "MOE",
     "ONE_ELEMENT",
     "Faults",
     "TensorDigest",
@@ -51,6 +53,13 @@ def make_weights(
         ``decoder``: a two-layer Qwen2-style model of :data:`DECODER`'s geometry, in
             Hugging Face names (a vocabulary of 100 rows, not a multiple of vLLM's padding;
             norms of 33 rows, which do not split evenly; q/k/v biases).
+        ``moe``: a two-layer Qwen2-MoE-style model of :data:`MOE`'s geometry, in Hugging
+            Face names: layer 0 a mixture of experts (router, 4 experts named per expert,
+            a shared expert and its gate), layer 1 a dense MLP; otherwise as ``decoder``.
+        ``moe_fused``: ``moe`` with each layer's experts fused as transformers 5 holds them
+            (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]): the same
+            values, so its :func:`~weightsync_core.data.shards.per_expert_stream` is
+            ``moe`` exactly.
         ``rollout_floats``: ``standard`` less what an engine that casts every tensor to its
             rollout dtype and holds each tensor in one bucket cannot deliver (verl's
             Mooncake engine): its floating-point tensors under a bucket's size.
@@ -67,6 +76,8 @@ def make_weights(
         return {f"tiny.{index}": randn(3 + index % 5) for index in range(3000)}
     if profile == "decoder":
         return _decoder_weights(randn)
+    if profile in ("moe", "moe_fused"):
+        return _moe_weights(randn, fused=profile == "moe_fused")
     if profile == "buckets":  # a little under 1/32 of a bucket each, alignment included
         return {f"layer.{index}": randn(bucket_size // 32 // 4 - 64) for index in range(128)}
     weights: dict[str, torch.Tensor] = {
@@ -99,7 +110,7 @@ def make_weights(
                    if tensor.is_floating_point() and tensor.nbytes < bucket_size}
     elif profile != "standard":
         raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets, "
-                         "decoder, large or rollout_floats")
+                         "decoder, moe, moe_fused, large or rollout_floats")
     return weights
 
 
@@ -131,6 +142,42 @@ def _decoder_weights(randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tens
         })
     weights["model.norm.weight"] = randn(33)
     weights["lm_head.weight"] = randn(vocab, hidden)
+    return weights
+
+
+MOE = MoEShape(DECODER, num_experts=4, moe_intermediate_size=16,
+               shared_expert_intermediate_size=24)
+"""The geometry of the ``moe`` weights profile (hidden size 32)."""
+
+
+def _moe_weights(randn: Callable[..., torch.Tensor], fused: bool) -> dict[str, torch.Tensor]:
+    hidden, width = 32, MOE.moe_intermediate_size
+    shared = MOE.shared_expert_intermediate_size or 0
+    dense = _decoder_weights(randn)
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in dense.items():
+        if not name.startswith("model.layers.0.mlp."):
+            weights[name] = tensor
+            continue
+        if not name.endswith("down_proj.weight"):
+            continue
+        prefix = "model.layers.0.mlp"  # layer 0's dense MLP becomes a mixture of experts
+        weights[f"{prefix}.gate.weight"] = randn(MOE.num_experts, hidden)
+        gate_up = randn(MOE.num_experts, 2 * width, hidden)
+        down = randn(MOE.num_experts, hidden, width)
+        if fused:
+            weights[f"{prefix}.experts.gate_up_proj"] = gate_up
+            weights[f"{prefix}.experts.down_proj"] = down
+        else:
+            for expert in range(MOE.num_experts):
+                weights[f"{prefix}.experts.{expert}.gate_proj.weight"] = gate_up[expert, :width]
+                weights[f"{prefix}.experts.{expert}.up_proj.weight"] = gate_up[expert, width:]
+            for expert in range(MOE.num_experts):
+                weights[f"{prefix}.experts.{expert}.down_proj.weight"] = down[expert]
+        weights[f"{prefix}.shared_expert.gate_proj.weight"] = randn(shared, hidden)
+        weights[f"{prefix}.shared_expert.up_proj.weight"] = randn(shared, hidden)
+        weights[f"{prefix}.shared_expert.down_proj.weight"] = randn(hidden, shared)
+        weights[f"{prefix}.shared_expert_gate.weight"] = randn(1, hidden)
     return weights
 
 

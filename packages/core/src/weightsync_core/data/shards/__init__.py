@@ -1,10 +1,18 @@
 """Sharded delivery: layouts (what each actor rank holds and each rollout worker needs, a
-box per checkpoint tensor), the transfer plan built from them, and its exchange over a gloo
-group, its bytes as gloo messages or written one-sidedly through a transport (see
-``docs/sharded.md``)."""
+box per checkpoint tensor, dense or mixture-of-experts), the transfer plan built from them,
+and its exchange over a gloo group, its bytes as gloo messages or written one-sidedly
+through a transport (see ``docs/sharded.md``)."""
 
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
+from weightsync_core.data.shards.experts import (
+    MoEShape,
+    experts_of_rank,
+    fsdp_fused_experts_layout,
+    moe_layout,
+    per_expert_shapes,
+    per_expert_stream,
+)
 from weightsync_core.data.shards.layout import (
     Layout,
     LayoutMismatchError,
@@ -22,6 +30,7 @@ from weightsync_core.data.shards.specs import (
     LayoutSpec,
     boxes_spec,
     fsdp_spec,
+    moe_spec,
     parse_weights_spec,
     plan_layouts,
     resolve_layout,
@@ -39,6 +48,7 @@ __all__ = [
     "Layout",
     "LayoutMismatchError",
     "LayoutSpec",
+    "MoEShape",
     "OneSidedCarrier",
     "PieceCarrier",
     "PlanExchange",
@@ -50,9 +60,15 @@ __all__ = [
     "boxes_spec",
     "check_coverage",
     "decoder_tensor_parallel_layout",
+    "experts_of_rank",
+    "fsdp_fused_experts_layout",
     "fsdp_layout",
     "fsdp_spec",
+    "moe_layout",
+    "moe_spec",
     "parse_weights_spec",
+    "per_expert_shapes",
+    "per_expert_stream",
     "plan_layouts",
     "resolve_layout",
     "tensor_parallel_spec",

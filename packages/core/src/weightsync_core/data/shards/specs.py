@@ -11,6 +11,7 @@ import torch
 
 from weightsync_core.api.dtypes import parse_dtype
 from weightsync_core.data.shards.box import Box
+from weightsync_core.data.shards.experts import MoEShape, fsdp_fused_experts_layout, moe_layout
 from weightsync_core.data.shards.layout import (
     Layout,
     LayoutMismatchError,
@@ -26,6 +27,7 @@ __all__ = [
     "LayoutSpec",
     "boxes_spec",
     "fsdp_spec",
+    "moe_spec",
     "parse_weights_spec",
     "plan_layouts",
     "resolve_layout",
@@ -34,14 +36,29 @@ __all__ = [
 ]
 
 LayoutSpec = Mapping[str, Any]
-"""``{"fsdp": {"world_size": W, "rank": r}}``, ``{"tensor_parallel": {"size": S, "rank":
-r, <DecoderShape fields>}}`` or ``{"boxes": {name: [[start, stop], ...]}}``; None (no spec):
-every tensor whole."""
+"""``{"fsdp": {"world_size": W, "rank": r[, "fused_experts": true]}}``,
+``{"tensor_parallel": {"size": S, "rank": r, <DecoderShape fields>}}``, ``{"moe": {"size":
+S, "rank": r, "expert_parallel": bool, <MoEShape fields>}}`` or ``{"boxes": {name: [[start,
+stop], ...]}}``; None (no spec): every tensor whole."""
 
 
-def fsdp_spec(world_size: int, rank: int) -> dict[str, Any]:
-    """What FSDP2 rank ``rank`` of ``world_size`` holds (:func:`fsdp_layout`)."""
-    return {"fsdp": {"world_size": world_size, "rank": rank}}
+def fsdp_spec(world_size: int, rank: int, fused_experts: bool = False) -> dict[str, Any]:
+    """What FSDP2 rank ``rank`` of ``world_size`` holds (:func:`fsdp_layout`; with
+    ``fused_experts``, of a model whose experts are fused and streamed per expert:
+    :func:`~weightsync_core.data.shards.experts.fsdp_fused_experts_layout`)."""
+    fields: dict[str, Any] = {"world_size": world_size, "rank": rank}
+    if fused_experts:
+        fields["fused_experts"] = True
+    return {"fsdp": fields}
+
+
+def moe_spec(model: MoEShape, size: int, rank: int, expert_parallel: bool = False
+             ) -> dict[str, Any]:
+    """What rank ``rank`` of a vLLM engine of ``size`` workers needs of a mixture-of-experts
+    model, its experts split by tensor or (``expert_parallel``) by expert
+    (:func:`~weightsync_core.data.shards.experts.moe_layout`)."""
+    return {"moe": {"size": size, "rank": rank, "expert_parallel": expert_parallel,
+                    **model.as_fields()}}
 
 
 def tensor_parallel_spec(model: DecoderShape, size: int, rank: int) -> dict[str, Any]:
@@ -66,21 +83,35 @@ def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
         if spec is None:
             layout = Layout.whole(shapes)
         elif set(spec) == {"fsdp"}:
-            fsdp = spec["fsdp"]
-            layout = fsdp_layout(shapes, _integer(fsdp["world_size"], "fsdp world_size"),
-                                 _integer(fsdp["rank"], "fsdp rank"))
+            fsdp = dict(spec["fsdp"])
+            fused = fsdp.pop("fused_experts", False)
+            if not isinstance(fused, bool) or set(fsdp) != {"world_size", "rank"}:
+                raise ValueError(f"fsdp has world_size, rank and optionally fused_experts "
+                                 f"(a bool), got {spec['fsdp']!r}")
+            layout = (fsdp_fused_experts_layout if fused else fsdp_layout)(
+                shapes, _integer(fsdp["world_size"], "fsdp world_size"),
+                _integer(fsdp["rank"], "fsdp rank"))
         elif set(spec) == {"tensor_parallel"}:
             fields = dict(spec["tensor_parallel"])
             size = _integer(fields.pop("size"), "tensor_parallel size")
             rank = _integer(fields.pop("rank"), "tensor_parallel rank")
             layout = decoder_tensor_parallel_layout(shapes, DecoderShape(**fields), size, rank)
+        elif set(spec) == {"moe"}:
+            fields = dict(spec["moe"])
+            size = _integer(fields.pop("size"), "moe size")
+            rank = _integer(fields.pop("rank"), "moe rank")
+            expert_parallel = fields.pop("expert_parallel", False)
+            if not isinstance(expert_parallel, bool):
+                raise ValueError(f"moe expert_parallel must be a bool, got {expert_parallel!r}")
+            layout = moe_layout(shapes, MoEShape.from_fields(fields), size, rank,
+                                expert_parallel)
         elif set(spec) == {"boxes"}:
             layout = Layout({name: Box(tuple((_integer(a, f"boxes {name!r} start"),
                                               _integer(b, f"boxes {name!r} stop"))
                                              for a, b in ranges))
                              for name, ranges in spec["boxes"].items()})
         else:
-            raise ValueError(f"a layout spec has one key of fsdp, tensor_parallel or boxes, "
+            raise ValueError(f"a layout spec has one key of fsdp, tensor_parallel, moe or boxes, "
                              f"got {sorted(spec)}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{who}: its layout {spec!r} cannot be used: {exc}") from None

@@ -11,7 +11,8 @@ from typing import Any
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.layout import Layout, Shapes
 
-__all__ = ["DecoderShape", "decoder_tensor_parallel_layout"]
+__all__ = ["DecoderShape", "SplitSize", "decoder_tensor_parallel_layout", "misfit",
+           "refuse_misfits"]
 
 _VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
 
@@ -139,20 +140,20 @@ def decoder_tensor_parallel_layout(shapes: Shapes, model: DecoderShape, tp_size:
     else:  # each KV head on tp_size // kv_heads ranks
         kv_rows = head_dim
         kv_start = tp_rank // (tp_size // kv_heads) * kv_rows
-    attention = _Split(heads * head_dim,
+    attention = SplitSize(heads * head_dim,
                        f"num_attention_heads x head_dim = {heads} x {head_dim}", heads,
                        f"with num_attention_heads {heads}, head_dim")
-    kv = _Split(kv_heads * head_dim, f"num_key_value_heads x head_dim = {kv_heads} x "
+    kv = SplitSize(kv_heads * head_dim, f"num_key_value_heads x head_dim = {kv_heads} x "
                 f"{head_dim}", head_dim, f"with head_dim {head_dim}, num_key_value_heads")
-    width = _Split(model.intermediate_size, "intermediate_size", 1, "intermediate_size")
-    vocab = None if model.vocab_size is None else _Split(model.vocab_size, "vocab_size", 1,
+    width = SplitSize(model.intermediate_size, "intermediate_size", 1, "intermediate_size")
+    vocab = None if model.vocab_size is None else SplitSize(model.vocab_size, "vocab_size", 1,
                                                          "vocab_size")
     boxes: dict[str, Box] = {}
     empty: set[str] = set()
     misfits: list[str] = []
     for name, shape in shapes.items():
         if _VOCAB.search(name):
-            misfits += _misfit(name, shape, 0, vocab)
+            misfits += misfit(name, shape, 0, vocab)
             if misfits:
                 continue
             padded = -(-shape[0] // _VOCAB_PADDING) * _VOCAB_PADDING
@@ -168,26 +169,38 @@ def decoder_tensor_parallel_layout(shapes: Shapes, model: DecoderShape, tp_size:
                 (_MLP_IN, 0, width, tp_rank * mlp, (tp_rank + 1) * mlp),
                 (_MLP_OUT, 1, width, tp_rank * mlp, (tp_rank + 1) * mlp)):
             if pattern.search(name):
-                misfits += _misfit(name, shape, dim, split)
+                misfits += misfit(name, shape, dim, split)
                 if not misfits:
                     boxes[name] = Box.along(shape, dim, start, stop)
                 break
         else:
             boxes[name] = Box.whole(shape)
-    if misfits:
-        more = (f" ({len(misfits)} tensors of the weights do not fit it, the first named)"
-                if len(misfits) > 1 else "")
-        raise ValueError(
-            f"{misfits[0]}{more}: the geometry declared for this tensor-parallel worker is "
-            "not that of the checkpoint the actor streams, so its slices would "
-            "not be the rows vLLM holds and some rows would reach no worker; declare the "
-            "checkpoint's geometry (DecoderShape.from_hf_config of the config the actor's "
-            "weights were built from), or load the actor's model on this worker")
+    refuse_misfits(misfits, "DecoderShape")
     return Layout(boxes, empty_by_design=frozenset(empty))
 
 
+def refuse_misfits(misfits: Sequence[str], geometry: str) -> None:
+    """Raise where a layout found tensors its geometry does not fit (``misfits``: what
+    :func:`misfit` said of each), naming the first and the fix (``geometry``: the class
+    whose ``from_hf_config`` gives the checkpoint's geometry).
+
+    Raises:
+        ValueError: where ``misfits`` is not empty.
+    """
+    if not misfits:
+        return
+    more = (f" ({len(misfits)} tensors of the weights do not fit it, the first named)"
+            if len(misfits) > 1 else "")
+    raise ValueError(
+        f"{misfits[0]}{more}: the geometry declared for this tensor-parallel worker is "
+        "not that of the checkpoint the actor streams, so its slices would "
+        "not be the rows vLLM holds and some rows would reach no worker; declare the "
+        f"checkpoint's geometry ({geometry}.from_hf_config of the config the actor's "
+        "weights were built from), or load the actor's model on this worker")
+
+
 @dataclass(frozen=True)
-class _Split:
+class SplitSize:
     """The size a geometry gives a split dimension, how it was computed, and how to say
     which value would fit a tensor's own size (``unit``: the size one more of the field in
     ``fits`` adds)."""
@@ -198,10 +211,11 @@ class _Split:
     fits: str
 
 
-def _misfit(name: str, shape: Sequence[int], dim: int, split: _Split | None) -> list[str]:
+def misfit(name: str, shape: Sequence[int], dim: int, split: SplitSize | None) -> list[str]:
     """``[what is wrong]`` where ``shape``'s dimension ``dim`` is not ``split``'s size (no
     ``split``: nothing to check but the dimension), else ``[]``."""
-    side = "rows" if dim == 0 else "columns"
+    side = ("rows" if dim == 0 else "columns") if len(shape) <= 2 else (
+        {1: "rows", 2: "columns"}.get(dim, "experts"))  # a fused [experts, rows, columns]
     if len(shape) <= dim:
         return [f"tensor {name!r} has shape {list(shape)}, but a tensor-parallel layout "
                 f"splits its {side} (dimension {dim})"]
