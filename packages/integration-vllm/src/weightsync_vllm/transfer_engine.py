@@ -238,12 +238,15 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
 
     def layout_spec(self) -> LayoutSpec | None:
         """What this vLLM worker needs of the checkpoint: its tensor-parallel slices of a
-        Qwen2/Llama model, None (every tensor whole) otherwise."""
+        Qwen2/Llama model or of a Qwen2-MoE/Qwen3-MoE one (its experts' slices or, with
+        ``enable_expert_parallel``, its whole experts), None (every tensor whole)
+        otherwise."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         size = self.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if size > 1 else 0
-        return tensor_parallel_layout_spec(self.model_config.hf_config, size, rank)
+        return tensor_parallel_layout_spec(self.model_config.hf_config, size, rank,
+                                           self.parallel_config.enable_expert_parallel)
 
     @property
     def worker(self) -> CheckpointEngineWorker:
