@@ -227,6 +227,31 @@ def _plan_links(args: argparse.Namespace) -> tuple[Link, Link]:
     return nic, (loopback if args.device == "cpu" else intra)
 
 
+def _plan_model(args: argparse.Namespace) -> tuple[int, float, bool]:
+    """The bytes a sync moves (patches' bytes with ``--changed-fraction``), the fraction of
+    them every worker of a replica needs whole, and whether to predict sharded delivery."""
+    from weightsync_core.plan.moe import MOE_MODELS, delta_wire_fraction
+
+    if args.moe is None:
+        if args.model_gb is None:
+            raise ValueError("give --model-gb (the bytes to sync) or --moe (a published model)")
+        if args.expert_parallel:
+            raise ValueError("--expert-parallel needs --moe (the model whose experts split)")
+        model_bytes, fraction, sharded, element = (int(args.model_gb * 1e9),
+                                                   args.replicated_fraction, args.sharded, 2)
+    else:
+        if args.model_gb is not None:
+            raise ValueError(f"--moe {args.moe} gives the model's bytes: leave out --model-gb")
+        model = MOE_MODELS[args.moe]
+        model_bytes = model.model_bytes
+        fraction = model.replicated_fraction(args.workers_per_replica, args.expert_parallel)
+        sharded, element = True, max(1, round(model.bytes_per_param))
+    if args.changed_fraction is not None:
+        model_bytes = math.ceil(model_bytes * delta_wire_fraction(args.changed_fraction,
+                                                                  element))
+    return model_bytes, fraction, sharded
+
+
 def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
     from weightsync_core.plan import Cluster, Workload, plan, plan_table, sharded_plan
 
@@ -235,14 +260,17 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
         replicas=args.replicas, workers_per_replica=args.workers_per_replica,
         rollout_workers_per_host=args.rollout_workers_per_host, nics_per_host=args.nics_per_host,
     )
-    if args.largest_tensor_mb * 2**20 > args.model_gb * 1e9:
+    model_bytes, replicated_fraction, sharded = _plan_model(args)
+    if args.largest_tensor_mb * 2**20 > model_bytes:
+        what = (f"--model-gb {args.model_gb:g} (GB)" if args.moe is None else
+                f"--moe {args.moe}'s {model_bytes / 1e9:g} GB")
         raise ValueError(f"--largest-tensor-mb {args.largest_tensor_mb:g} (MiB) cannot exceed "
-                         f"--model-gb {args.model_gb:g} (GB)")
-    workload = Workload(max(1, int(args.model_gb * 1e9)), args.bucket_mb << 20,
+                         f"{what}")
+    workload = Workload(max(1, model_bytes), args.bucket_mb << 20,
                         int(args.largest_tensor_mb * 2**20), args.pipeline_depth)
     ranked = plan(cluster, workload, args.device, args.backends or None)
-    sharded = (sharded_plan(cluster, workload, args.device, args.replicated_fraction)
-               if args.sharded else None)
+    sharded = (sharded_plan(cluster, workload, args.device, replicated_fraction)
+               if sharded else None)
     if args.json:
         rows = [{**dataclasses.asdict(item.prediction), "engine_kwargs": item.engine_kwargs}
                 for item in ranked]
@@ -263,9 +291,15 @@ def _print_plan(args: argparse.Namespace, nic: Link, intra: Link) -> int:
         print(f"{sharded.option} (each rollout worker its shard from every actor rank; "
               f"nixl_sharded / mooncake_sharded write it, gloo_sharded sends it over gloo): "
               f"{sharded.seconds:.2f} s, "
-              f"bound by {sharded.bound}; "
-              f"{best.prediction.seconds / sharded.seconds:.1f}x faster than the recommended")
+              f"bound by {sharded.bound}; " + _against(best.prediction.seconds, sharded.seconds))
     return 0
+
+
+def _against(recommended: float, sharded: float) -> str:
+    """How sharded delivery's time compares with the recommended option's."""
+    if sharded <= recommended:
+        return f"{recommended / sharded:.1f}x faster than the recommended"
+    return f"{sharded / recommended:.1f}x slower than the recommended"
 
 
 _ADDRESS_HELP = (
@@ -346,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    from weightsync_core.plan.moe import MOE_MODELS
+
     plan = commands.add_parser(
         "plan", help="predict every backend's sync time on a described cluster, ranked, "
         "with what bounds each (a cost model; see the docs)"
@@ -354,7 +390,19 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--device", choices=("cpu", "gpu", "npu"), default="cpu",
                       help="buckets in host memory over TCP (measured engine costs), or on "
                       "CUDA GPUs / Ascend NPUs over RDMA (assumed engine costs)")
-    plan.add_argument("--model-gb", type=_positive, required=True, help="bytes to sync (GB)")
+    plan.add_argument("--model-gb", type=_positive,
+                      help="bytes to sync (GB); required unless --moe names the model")
+    plan.add_argument("--moe", choices=sorted(MOE_MODELS),
+                      help="a published mixture of experts (its bytes from its config): "
+                      "implies --sharded, its replicated fraction from how vLLM splits it "
+                      "over --workers-per-replica")
+    plan.add_argument("--expert-parallel", action="store_true",
+                      help="with --moe: each worker holds whole experts (vLLM's "
+                      "enable_expert_parallel) instead of a slice of every expert")
+    plan.add_argument("--changed-fraction", type=_fraction,
+                      help="delta syncs: this fraction of the elements changed since the last "
+                      "sync; every option moves patches instead (sharded delivery's delta is "
+                      "not built yet: its figure is what it would be)")
     plan.add_argument("--largest-tensor-mb", type=_non_negative, default=0.0,
                       help="largest tensor (MiB): sets the receivers' merge memory")
     plan.add_argument("--bucket-mb", type=_count, default=1024, help="bucket size (MiB)")
