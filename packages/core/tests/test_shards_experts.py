@@ -20,6 +20,7 @@ from weightsync_core.data.shards import (
     experts_of_rank,
     fsdp_fused_experts_layout,
     fsdp_layout,
+    fused_experts,
     moe_layout,
     moe_spec,
     per_expert_shapes,
@@ -156,6 +157,8 @@ def test_fsdp_ranks_of_fused_experts_stream_the_experts_they_hold(world_size: in
     tensor, equal to the per-expert checkpoint's; together the ranks hold every expert
     once."""
     fused_shapes = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in FUSED.items()}
+    assert fused_experts({name: shape for name, (shape, _) in fused_shapes.items()}) == 4
+    assert fused_experts(SHAPES) is None  # experts one tensor per expert
     declared = per_expert_shapes(fused_shapes)
     assert list(declared) == list(WEIGHTS)
     assert {name: shape for name, (shape, _) in declared.items()} == SHAPES

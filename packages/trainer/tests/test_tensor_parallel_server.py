@@ -86,3 +86,46 @@ def test_a_model_that_cannot_be_split_is_refused():
         TensorParallelGenerationServer(ModelConfig(), 1.0, None, 4, 0)
     with pytest.raises(ConfigError, match="tensor-parallel replica's workers split one model"):
         RolloutConfig(tensor_model_parallel_size=2, workers_per_replica=2)
+
+
+MOE = ModelConfig(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=16, seed=1)
+
+
+def test_moe_ranks_keep_their_experts_slices_and_the_model_is_assembled():
+    """A mixture of experts (transformers 5 holds its experts fused): each rank keeps every
+    expert's half (per-expert names, as syncs carry them, written into views of its fused
+    parameters); assembled from its peer's, each rank's model is the whole one."""
+    torch.manual_seed(9)
+    source = HFGenerationServer(MOE, 1.0)
+    weights = {name: tensor.detach().clone()
+               for name, tensor in source.checkpoint_tensors().items()}
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in weights
+    servers = [TensorParallelGenerationServer(MOE, 1.0, None, 2, rank) for rank in range(2)]
+    for server in servers:
+        server.set_peers([_Peer(other) for other in servers if other is not server])
+    box = servers[1].layout.boxes["model.layers.0.mlp.experts.2.down_proj.weight"]
+    assert box.shape == (32, 8)  # columns of the expert's width 16, halved
+    whole = HFGenerationServer(MOE, 1.0)
+    asyncio.run(whole.update_weights(_stream(weights), 5))
+    assert whole.weights_checksum() == source.weights_checksum()
+    for server in servers:
+        pieces = {name: box.cut(weights[name]) for name, box in server.layout.boxes.items()}
+        asyncio.run(server.update_weights(_stream(pieces), 5))
+    for server in servers:
+        asyncio.run(server.make_whole())
+        assert server.weights_checksum() == source.weights_checksum()
+
+
+def test_a_staged_moe_version_is_swapped_in_and_back_whole():
+    """Swapping a staged version into a fused-experts model copies each expert into its
+    fused parameter; swapping back what it returned restores the version it served."""
+    server = HFGenerationServer(MOE, 1.0)
+    served = server.weights_checksum()
+    torch.manual_seed(10)
+    staged = {name: tensor.detach().clone() for name, tensor in
+              HFGenerationServer(ModelConfig(**{**vars(MOE), "seed": 2}), 1.0)
+              .checkpoint_tensors().items()}
+    previous = server.swap_weights(staged, 6)
+    assert server.weights_checksum() != served
+    server.swap_weights(previous, 5)
+    assert server.weights_checksum() == served

@@ -24,6 +24,7 @@ from weightsync_trainer.errors import ConfigError
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "MOE_MODEL_TYPES",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
@@ -51,6 +52,11 @@ def _positive(**values: float | None) -> None:
             raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
+MOE_MODEL_TYPES = frozenset({"qwen3_moe"})
+"""Model types built as mixtures of experts from :class:`ModelConfig`'s ``num_experts``,
+``num_experts_per_tok`` and ``moe_intermediate_size``."""
+
+
 @dataclass
 class ModelConfig:
     """``actor_rollout_ref.model``: the Hugging Face causal LM trained by the actor and served
@@ -72,6 +78,11 @@ class ModelConfig:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 64
     seed: int = 0
+    num_experts: int = 0
+    """Routed experts per layer of a mixture of experts (``model_type: qwen3_moe``); 0: a
+    dense model."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
 
     def __post_init__(self) -> None:
         _positive(
@@ -80,7 +91,18 @@ class ModelConfig:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=self.max_position_embeddings,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
         )
+        if (self.num_experts > 0) != (self.model_type in MOE_MODEL_TYPES) or \
+                self.num_experts < 0:
+            raise ConfigError(
+                f"num_experts={self.num_experts} with model_type={self.model_type!r}: a "
+                f"mixture of experts ({', '.join(sorted(MOE_MODEL_TYPES))}) needs num_experts "
+                "> 0, any other model_type num_experts 0")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) cannot exceed "
+                              f"num_experts ({self.num_experts})")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "

@@ -17,6 +17,10 @@ def hf_config(config: ModelConfig, **extra: object) -> transformers.PretrainedCo
     """
     if config.path is not None:
         return transformers.AutoConfig.from_pretrained(config.path, **extra)
+    if config.num_experts:
+        extra = {"num_experts": config.num_experts,
+                 "num_experts_per_tok": config.num_experts_per_tok,
+                 "moe_intermediate_size": config.moe_intermediate_size, **extra}
     try:
         return transformers.AutoConfig.for_model(
             config.model_type,

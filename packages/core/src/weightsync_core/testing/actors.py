@@ -18,7 +18,11 @@ import torch
 
 from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.data.bucketing import WeightsSource
-from weightsync_core.data.shards.experts import per_expert_shapes, per_expert_stream
+from weightsync_core.data.shards.experts import (
+    fused_experts,
+    per_expert_shapes,
+    per_expert_stream,
+)
 from weightsync_core.data.shards.layout import fsdp_layout
 from weightsync_core.data.shards.specs import LayoutSpec, resolve_layout
 from weightsync_core.testing.replay import tap_control_frames
@@ -377,8 +381,7 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
             # rank), their experts streamed one at a time, as views
             world_size, rank = fused
             rows = fsdp_layout(shapes, world_size, rank)
-            experts = max((shape[0] for name, shape in shapes.items() if len(shape) == 3),
-                          default=0)
+            experts = fused_experts(shapes) or 0
             local = ((name, box.cut(declared[name])) for name, box in rows.boxes.items())
             shards = dict(per_expert_stream(local, rank * math.ceil(experts / world_size)))
         else:

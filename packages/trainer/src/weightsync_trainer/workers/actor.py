@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,13 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
-from weightsync_core.data.shards import LayoutSpec, fsdp_spec
+from weightsync_core.data.shards import (
+    LayoutSpec,
+    fsdp_spec,
+    fused_experts,
+    per_expert_shapes,
+    per_expert_stream,
+)
 from weightsync_trainer.algorithms import importance_weights, policy_loss
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -51,19 +58,32 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
                                     delta_group=dist.group.WORLD)
 
     def iter_weights(self) -> WeightsSource:
-        return full_parameters(self._built_model())
+        """Every parameter, gathered whole one at a time, under its checkpoint name (fused
+        experts one expert at a time)."""
+        return per_expert_stream(full_parameters(self._built_model()))
+
+    def _fused_experts(self) -> int | None:
+        """The experts of the model's fused expert tensors (None: it has none)."""
+        return fused_experts({name: tuple(param.shape)
+                              for name, param in self._built_model().named_parameters()})
 
     def weight_layout(self) -> LayoutSpec:
-        """This rank's FSDP2 rows of every parameter (for backends that deliver layouts)."""
-        return fsdp_spec(dist.get_world_size(), dist.get_rank())
+        """This rank's FSDP2 rows of every parameter (for backends that deliver layouts);
+        of fused experts, whole experts (``Shard(0)`` over experts), streamed per expert."""
+        return fsdp_spec(dist.get_world_size(), dist.get_rank(),
+                         fused_experts=self._fused_experts() is not None)
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(param.shape), param.dtype)
-                for name, param in self._built_model().named_parameters()}
+        """Every tensor's full shape and dtype under its checkpoint name, in stream order."""
+        return per_expert_shapes({name: (tuple(param.shape), param.dtype)
+                                  for name, param in self._built_model().named_parameters()})
 
     def iter_weight_shards(self) -> WeightsSource:
-        """This rank's own rows of each parameter, gathered from no one."""
-        return local_parameters(self._built_model())
+        """This rank's own rows of each parameter, gathered from no one; of fused experts,
+        its whole experts one at a time, as views (no fused tensor is materialised)."""
+        experts = self._fused_experts() or 0
+        first = dist.get_rank() * math.ceil(experts / dist.get_world_size())
+        return per_expert_stream(local_parameters(self._built_model()), first)
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +

@@ -18,6 +18,7 @@ from weightsync_core.data.quantization import (
     dequantized_stream,
     quantized_weight_of,
 )
+from weightsync_core.data.shards import per_expert_stream
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.modeling import build_policy_model
@@ -142,8 +143,15 @@ class HFGenerationServer:
         return {"tokens": tokens, "log_probs": log_probs.squeeze(-1),
                 "versions": watch.versions, "token_times": watch.token_times}
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's parameters under the names syncs give them (a checkpoint's): each
+        parameter itself, but experts a transformers 5 mixture of experts holds fused, one
+        view of the fused parameter per expert's ``gate_proj``, ``up_proj`` and
+        ``down_proj`` (writing into it writes the parameter)."""
+        return dict(per_expert_stream(self.model.named_parameters()))
+
     def _target(self, name: str, tensor: torch.Tensor,
-                params: Mapping[str, torch.nn.Parameter]) -> torch.nn.Parameter:
+                params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The parameter ``name`` loads into.
 
         Raises:
@@ -168,7 +176,7 @@ class HFGenerationServer:
     def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, while it is staged, a tensor this model could not load (see
         :meth:`_target`; a quantized weight's scales: one per block of the weight)."""
-        params = dict(self.model.named_parameters())
+        params = self.checkpoint_tensors()
         weight = quantized_weight_of(name)
         if weight is None:
             self._target(name, tensor, params)
@@ -189,7 +197,7 @@ class HFGenerationServer:
         """Copy every received tensor into the parameter of that name (unless it is that
         parameter, patched in place by a delta sync; a float8 weight dequantized with its
         scales); all must arrive."""
-        params = dict(self.model.named_parameters())
+        params = self.checkpoint_tensors()
         seen: set[str] = set()
         with torch.no_grad():
             async for name, tensor in dequantized_stream(weights, self._compute_dtype):
@@ -205,24 +213,31 @@ class HFGenerationServer:
         """Adopt ``tensors`` (a staged version, every parameter by name) as the parameters'
         data, all or nothing (every one is checked first), under a pause; return the
         tensors they held (the version served until now). Float8 weights are dequantized
-        with their scales first."""
-        params = dict(self.model.named_parameters())
+        with their scales first. An expert of a fused parameter is a view of it: its new
+        values are copied in, and the values it held returned as a copy."""
+        params = self.checkpoint_tensors()
         adopted = {}
         for name, tensor in dequantized(tensors, self._compute_dtype).items():
             target = self._target(name, tensor, params)
             adopted[name] = tensor.to(device=target.device, dtype=target.dtype).contiguous()
         self._check_whole(set(adopted), params, version)
         served = {}
-        for name, tensor in adopted.items():
-            served[name] = params[name].data
-            params[name].data = tensor
+        with torch.no_grad():
+            for name, tensor in adopted.items():
+                target = params[name]
+                if isinstance(target, torch.nn.Parameter):
+                    served[name] = target.data
+                    target.data = tensor
+                else:
+                    served[name] = target.detach().clone()
+                    target.copy_(tensor)
         self.weights_version = version
         return served
 
     def patchable_weights(self) -> dict[str, torch.Tensor]:
         """The parameters by name, which delta syncs patch in place (where they arrive in
         the parameters' dtype) instead of keeping a copy of their own."""
-        return {name: param.detach() for name, param in self.model.named_parameters()}
+        return {name: tensor.detach() for name, tensor in self.checkpoint_tensors().items()}
 
     async def abort_all_requests(self) -> None:
         """Pause for a stop-the-world sync: requests in flight finish, new ones wait until

@@ -15,18 +15,20 @@ from weightsync_core.data.shards import (
     DecoderShape,
     Layout,
     LayoutSpec,
+    MoEShape,
+    moe_spec,
     resolve_layout,
     tensor_parallel_spec,
 )
-from weightsync_trainer.config import ModelConfig
+from weightsync_trainer.config import MOE_MODEL_TYPES, ModelConfig
 from weightsync_trainer.errors import ConfigError
 from weightsync_trainer.workers.generation import HFGenerationServer
 
 __all__ = ["TENSOR_PARALLEL_MODEL_TYPES", "TensorParallelGenerationServer"]
 
-TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "qwen2"})
-"""Model types whose tensor-parallel split core's ``decoder_tensor_parallel_layout``
-follows."""
+TENSOR_PARALLEL_MODEL_TYPES = frozenset({"llama", "qwen2"}) | MOE_MODEL_TYPES
+"""Model types whose tensor-parallel split core's ``decoder_tensor_parallel_layout`` (or,
+for mixtures of experts, ``moe_layout``: every expert split) follows."""
 
 Slices = dict[str, tuple[list[list[int]], torch.Tensor]]
 """Tensor name -> (its box's ranges, the piece) of one worker."""
@@ -58,9 +60,12 @@ class TensorParallelGenerationServer(HFGenerationServer):
                 f"of type {' or '.join(sorted(TENSOR_PARALLEL_MODEL_TYPES))}, got "
                 f"{hf_config.model_type!r}")
         try:
-            self.layout_spec: LayoutSpec = tensor_parallel_spec(
-                DecoderShape.from_hf_config(hf_config), tp_size, tp_rank)
-            shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
+            self.layout_spec: LayoutSpec = (
+                moe_spec(MoEShape.from_hf_config(hf_config), tp_size, tp_rank)
+                if hf_config.model_type in MOE_MODEL_TYPES else
+                tensor_parallel_spec(DecoderShape.from_hf_config(hf_config), tp_size, tp_rank))
+            shapes = {name: tuple(tensor.shape)
+                      for name, tensor in self.checkpoint_tensors().items()}
             self.layout: Layout = resolve_layout(self.layout_spec, shapes,
                                                  f"tensor-parallel rank {tp_rank}")
         except ValueError as exc:
@@ -80,7 +85,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
         return self.layout_spec
 
     def _own_slice(self, name: str, tensor: torch.Tensor,
-                   params: Mapping[str, torch.nn.Parameter]) -> torch.Tensor:
+                   params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """This worker's slice of ``tensor`` (a piece of its box's shape, or a whole tensor
         it cuts its box from).
 
@@ -102,7 +107,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
     def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Refuse, while it is staged, a tensor that is not this worker's slice nor whole."""
-        self._own_slice(name, tensor, dict(self.model.named_parameters()))
+        self._own_slice(name, tensor, self.checkpoint_tensors())
 
     def swap_weights(self, tensors: dict[str, torch.Tensor], version: int | None
                      ) -> dict[str, torch.Tensor]:
@@ -110,7 +115,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
         (every one checked first): its slices live inside the whole parameters its peers'
         fill, so it copies its boxes rather than adopting tensors; returns copies of the
         slices it held."""
-        params = dict(self.model.named_parameters())
+        params = self.checkpoint_tensors()
         pieces = {name: self._own_slice(name, tensor, params) for name, tensor in tensors.items()}
         self._check_whole(set(pieces), params, version)
         served = {name: self.layout.boxes[name].cut(params[name].detach()).clone()
@@ -127,7 +132,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
     ) -> None:
         """Keep this worker's slice of every tensor (a piece of its box's shape, or a whole
         tensor it cuts its box from); all must arrive."""
-        params = dict(self.model.named_parameters())
+        params = self.checkpoint_tensors()
 
         async def own_slices() -> AsyncIterator[tuple[str, torch.Tensor]]:
             async for name, tensor in weights:
@@ -140,7 +145,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
     def tensor_parallel_slices(self) -> tuple[int | None, Slices]:
         """This worker's weights version and its slice of every tensor."""
-        params = dict(self.model.named_parameters())
+        params = self.checkpoint_tensors()
         return self.weights_version, {
             name: ([list(r) for r in box.ranges], box.cut(params[name].detach()).clone())
             for name, box in self.layout.boxes.items()}
@@ -156,7 +161,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
                 return
             replies = await asyncio.gather(*(peer.tensor_parallel_slices.remote()
                                              for peer in self.peers))
-            params = dict(self.model.named_parameters())
+            params = self.checkpoint_tensors()
             with torch.no_grad():
                 for index, (version, slices) in enumerate(replies):
                     if version != self.weights_version:
@@ -184,7 +189,7 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
 
 async def _placed(slices: AsyncIterator[tuple[str, torch.Tensor]],
-                  params: dict[str, torch.nn.Parameter], layout: Layout
+                  params: dict[str, torch.Tensor], layout: Layout
                   ) -> AsyncIterator[tuple[str, torch.Tensor]]:
     """Write each slice into its parameter at its box; yield the parameter itself (which
     the base class then leaves in place)."""

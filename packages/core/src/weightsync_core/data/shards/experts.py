@@ -32,6 +32,7 @@ __all__ = [
     "MoEShape",
     "experts_of_rank",
     "fsdp_fused_experts_layout",
+    "fused_experts",
     "moe_layout",
     "per_expert_shapes",
     "per_expert_stream",
@@ -293,6 +294,23 @@ def fsdp_fused_experts_layout(shapes: Shapes, world_size: int, rank: int) -> Lay
             if int(match["expert"]) // chunk == rank:
                 boxes[name] = Box.whole(shape)
     return Layout(boxes, layout.replicated, layout.empty_by_design)
+
+
+def fused_experts(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
+    """The experts of the fused expert tensors among ``shapes`` (a model's parameters'
+    full shapes; their first dimension), or None where it holds none (a dense model, or
+    experts one tensor per expert). An FSDP2 rank ``r`` of ``W`` holds experts from ``r *
+    ceil(E / W)`` of each (:func:`per_expert_stream`'s ``first_expert``).
+
+    Raises:
+        ValueError: fused tensors of different numbers of experts.
+    """
+    counts = {shape[0] for name, shape in shapes.items()
+              if _FUSED.match(name) and len(shape) == 3}
+    if len(counts) > 1:
+        raise ValueError(f"fused expert tensors of {sorted(counts)} experts: one FSDP split "
+                         "cannot hold whole experts of each")
+    return counts.pop() if counts else None
 
 
 def per_expert_stream(weights: Iterable[tuple[str, torch.Tensor]], first_expert: int = 0
