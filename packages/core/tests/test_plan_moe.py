@@ -4,6 +4,8 @@ syncs' wire share, and the CLI's ``--moe``/``--changed-fraction``."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from weightsync_core.cli import main
@@ -65,8 +67,7 @@ def test_bytes_per_worker_are_the_layouts_of_the_busiest_worker(workers, expert_
     model = MoEShape(DecoderShape(HEADS, KV_HEADS, HEAD_DIM, DENSE, VOCAB), EXPERTS, WIDTH,
                      SHARED)
     size = _size()
-    assert size.params * 2 == size.model_bytes == 2 * sum(
-        a * (b if len(rest) else 1) for a, b, *rest in ((*s, 1) for s in shapes.values()))
+    assert size.params * 2 == size.model_bytes == 2 * sum(map(math.prod, shapes.values()))
     busiest = max(moe_layout(shapes, model, workers, rank, expert_parallel).numel()
                   for rank in range(workers))
     assert size.worker_bytes(workers, expert_parallel) == 2 * busiest

@@ -122,46 +122,41 @@ def test_sharded_delivery_from_both_fsdp_ranks():
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
 
 
-def test_moe_tensor_parallel_replicas_receive_only_their_experts_slices():
-    """A mixture of experts (qwen3_moe, 4 experts of width 16: transformers 5 holds them
-    fused) from 2 FSDP ranks, each streaming its whole experts one at a time, into 2
-    replicas of 2 workers over gloo_sharded: each worker receives every expert's half and
-    its share of the rest; every worker serves the actor's weights."""
-    runner, rows = _run("gloo_sharded", 2,
-                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                        "actor_rollout_ref.model.model_type=qwen3_moe",
-                        "actor_rollout_ref.model.num_experts=4",
-                        "actor_rollout_ref.model.moe_intermediate_size=16")
+def _tensor_parallel_run(steps, *extra):
+    """A run into 2 replicas of 2 tensor-parallel workers over gloo_sharded: its rows, and the
+    actor's tensors' shapes as they travel; checks every worker serves the actor's weights,
+    the busiest received about half of them and the actor ranks sent each slice once."""
+    runner, rows = _run("gloo_sharded", steps,
+                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *extra)
     try:
         checksums = runner.trainer.weights_checksums()
         shapes = ray.get(runner.trainer.actor_wg.call_all("weight_shapes"))[0]
     finally:
         runner.trainer.shutdown()
     assert checksums["rollout"] == [checksums["actor"]] * 4
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in shapes  # per expert
     model = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
     for row in rows:
         assert 0.4 * model < row["weightsync/bytes"] < 0.6 * model, (row, model)
         assert row["weightsync/bytes_sent"] == model
+    return rows, shapes
+
+
+def test_moe_tensor_parallel_replicas_receive_only_their_experts_slices():
+    """A mixture of experts (qwen3_moe, 4 experts of width 16: transformers 5 holds them
+    fused) from 2 FSDP ranks, each streaming its whole experts one at a time, into 2
+    replicas of 2 workers over gloo_sharded: each worker receives every expert's half and
+    its share of the rest; every worker serves the actor's weights."""
+    _, shapes = _tensor_parallel_run(2, "actor_rollout_ref.model.model_type=qwen3_moe",
+                                     "actor_rollout_ref.model.num_experts=4",
+                                     "actor_rollout_ref.model.moe_intermediate_size=16")
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in shapes  # per expert
 
 
 def test_tensor_parallel_replicas_receive_only_their_slices():
     """actor_rollout_ref.rollout.tensor_model_parallel_size=2 over gloo_sharded: 2 replicas
     of 2 workers, each receiving only its slices (the two replicas' workers relaying them to
     each other); each worker serves the actor's weights once its replica's slices are
-    assembled, and the reward rises."""
-    runner, rows = _run("gloo_sharded", 3,
-                        "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    try:
-        checksums = runner.trainer.weights_checksums()
-        shapes = ray.get(runner.trainer.actor_wg.call_all("weight_shapes"))[0]
-    finally:
-        runner.trainer.shutdown()
-    assert checksums["rollout"] == [checksums["actor"]] * 4
-    model = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
-    # the busiest worker (rank 0: the whole 16-row vocabulary, padded to 64 and split 32/32)
-    # received about half; the actor ranks sent each slice once
-    for row in rows:
-        assert 0.4 * model < row["weightsync/bytes"] < 0.6 * model, (row, model)
-        assert row["weightsync/bytes_sent"] == model
+    assembled (the busiest, rank 0, holds the whole 16-row vocabulary, padded to 64 and split
+    32/32), and the reward rises."""
+    rows, _ = _tensor_parallel_run(3)
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]

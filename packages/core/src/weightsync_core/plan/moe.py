@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from weightsync_core.data.delta.patch import PATCH_HEADER_BYTES, cheapest_kind
+from weightsync_core.data.delta.patch import PATCH_HEADER_BYTES, patch_payload_bytes
 
 __all__ = ["MOE_MODELS", "MoEModelSize", "delta_wire_fraction"]
 
@@ -110,16 +110,13 @@ def delta_wire_fraction(changed_fraction: float, bytes_per_element: int = 2,
                         elements: int = 1 << 24) -> float:
     """The share of a tensor's bytes a delta sync sends for it when ``changed_fraction`` of
     its ``elements`` changed: the cheapest patch (positions and values, a bitmask and
-    values, or the whole tensor; :func:`~weightsync_core.data.delta.patch.cheapest_kind`),
+    values, or the whole tensor; :func:`~weightsync_core.data.delta.patch.patch_payload_bytes`),
     its header included."""
     if not 0.0 <= changed_fraction <= 1.0:
         raise ValueError(f"changed_fraction must be within [0, 1], got {changed_fraction!r}")
-    changed = round(changed_fraction * elements)
-    kind = cheapest_kind(elements, changed, bytes_per_element)
-    whole = elements * bytes_per_element
-    sizes = {"UNCHANGED": 0, "POSITIONS": changed * (4 + bytes_per_element),
-             "BITMASK": -(-elements // 8) + changed * bytes_per_element, "WHOLE": whole}
-    return (PATCH_HEADER_BYTES + sizes[kind.name]) / whole
+    payload = min(patch_payload_bytes(elements, round(changed_fraction * elements),
+                                      bytes_per_element).values())
+    return (PATCH_HEADER_BYTES + payload) / (elements * bytes_per_element)
 
 
 MOE_MODELS: dict[str, MoEModelSize] = {

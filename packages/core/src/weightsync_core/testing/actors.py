@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
@@ -19,6 +18,7 @@ import torch
 from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.data.bucketing import WeightsSource
 from weightsync_core.data.shards.experts import (
+    fsdp_first_expert,
     fused_experts,
     per_expert_shapes,
     per_expert_stream,
@@ -381,9 +381,9 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
             # rank), their experts streamed one at a time, as views
             world_size, rank = fused
             rows = fsdp_layout(shapes, world_size, rank)
-            experts = fused_experts(shapes) or 0
+            first = fsdp_first_expert(fused_experts(shapes) or 0, world_size, rank)
             local = ((name, box.cut(declared[name])) for name, box in rows.boxes.items())
-            shards = dict(per_expert_stream(local, rank * math.ceil(experts / world_size)))
+            shards = dict(per_expert_stream(local, first))
         else:
             held = resolve_layout(self.layout, shapes, "this actor rank")
             shards = {name: box.cut(declared[name]) for name, box in held.boxes.items()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from transformers import PretrainedConfig
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
 from weightsync_core.data.shards import (
     LayoutSpec,
+    fsdp_first_expert,
     fsdp_spec,
     fused_experts,
     per_expert_shapes,
@@ -81,8 +81,8 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
     def iter_weight_shards(self) -> WeightsSource:
         """This rank's own rows of each parameter, gathered from no one; of fused experts,
         its whole experts one at a time, as views (no fused tensor is materialised)."""
-        experts = self._fused_experts() or 0
-        first = dist.get_rank() * math.ceil(experts / dist.get_world_size())
+        first = fsdp_first_expert(self._fused_experts() or 0, dist.get_world_size(),
+                                  dist.get_rank())
         return per_expert_stream(local_parameters(self._built_model()), first)
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -40,6 +40,7 @@ __all__ = [
     "diff_into",
     "encode_patch",
     "flat_words",
+    "patch_payload_bytes",
     "tensor_digest",
 ]
 
@@ -182,17 +183,23 @@ def _diff(new: torch.Tensor, old: torch.Tensor, position_dtype: torch.dtype
     return positions, values
 
 
-def cheapest_kind(numel: int, changed: int, word_bytes: int) -> PatchKind:
-    """The smallest encoding of a tensor of ``numel`` elements of ``word_bytes`` bytes of
-    which ``changed`` changed."""
+def patch_payload_bytes(numel: int, changed: int, word_bytes: int) -> dict[PatchKind, int]:
+    """The payload bytes (header not counted) of each encoding that can hold a patch of a
+    tensor of ``numel`` elements of ``word_bytes`` bytes of which ``changed`` changed."""
     position_bytes = 4 if numel < 2**31 else 8
     sizes = {
-        PatchKind.UNCHANGED: 0 if changed == 0 else None,
         PatchKind.POSITIONS: _padded(changed * position_bytes) + _padded(changed * word_bytes),
         PatchKind.BITMASK: _padded(-(-numel // 8)) + _padded(changed * word_bytes),
         PatchKind.WHOLE: _padded(numel * word_bytes),
     }
-    return min((size, kind) for kind, size in sizes.items() if size is not None)[1]
+    return {PatchKind.UNCHANGED: 0, **sizes} if changed == 0 else sizes
+
+
+def cheapest_kind(numel: int, changed: int, word_bytes: int) -> PatchKind:
+    """The smallest encoding of a tensor of ``numel`` elements of ``word_bytes`` bytes of
+    which ``changed`` changed."""
+    sizes = patch_payload_bytes(numel, changed, word_bytes)
+    return min((size, kind) for kind, size in sizes.items())[1]
 
 
 def build_patch(new: torch.Tensor, positions: torch.Tensor | None,

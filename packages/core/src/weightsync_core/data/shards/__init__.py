@@ -8,6 +8,7 @@ from weightsync_core.data.shards.exchange import PieceCarrier, PlanExchange, Poi
 from weightsync_core.data.shards.experts import (
     MoEShape,
     experts_of_rank,
+    fsdp_first_expert,
     fsdp_fused_experts_layout,
     fused_experts,
     moe_layout,
@@ -62,6 +63,7 @@ __all__ = [
     "check_coverage",
     "decoder_tensor_parallel_layout",
     "experts_of_rank",
+    "fsdp_first_expert",
     "fsdp_fused_experts_layout",
     "fsdp_layout",
     "fsdp_spec",

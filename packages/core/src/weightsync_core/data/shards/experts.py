@@ -31,6 +31,7 @@ from weightsync_core.data.shards.tensor_parallel import (
 __all__ = [
     "MoEShape",
     "experts_of_rank",
+    "fsdp_first_expert",
     "fsdp_fused_experts_layout",
     "fused_experts",
     "moe_layout",
@@ -270,6 +271,13 @@ def _fused_box(name: str, shape: tuple[int, ...] | Any, model: MoEShape, routed:
     return Box.along(shape, 2, tp_rank * share, (tp_rank + 1) * share)
 
 
+def fsdp_first_expert(num_experts: int, world_size: int, rank: int) -> int:
+    """The first expert FSDP2 rank ``rank`` of ``world_size`` holds of a fused expert tensor
+    (``Shard(0)`` splits as ``torch.chunk``: ``ceil(E / W)`` experts a rank): where its
+    :func:`per_expert_stream` numbers from."""
+    return rank * -(-num_experts // world_size)
+
+
 def fsdp_fused_experts_layout(shapes: Shapes, world_size: int, rank: int) -> Layout:
     """What FSDP2 rank ``rank`` of ``world_size`` holds where the model keeps its experts
     fused (``Shard(0)`` over experts) but streams them per expert
@@ -290,8 +298,9 @@ def fsdp_fused_experts_layout(shapes: Shapes, world_size: int, rank: int) -> Lay
     boxes = dict(layout.boxes)
     for name, shape in shapes.items():
         if match := _PER_EXPERT.match(name):
-            chunk = -(-counts[match["experts"]] // world_size)
-            if int(match["expert"]) // chunk == rank:
+            experts = counts[match["experts"]]
+            first = fsdp_first_expert(experts, world_size, rank)
+            if first <= int(match["expert"]) < fsdp_first_expert(experts, world_size, rank + 1):
                 boxes[name] = Box.whole(shape)
     return Layout(boxes, layout.replicated, layout.empty_by_design)
 
@@ -300,7 +309,7 @@ def fused_experts(shapes: Mapping[str, tuple[int, ...]]) -> int | None:
     """The experts of the fused expert tensors among ``shapes`` (a model's parameters'
     full shapes; their first dimension), or None where it holds none (a dense model, or
     experts one tensor per expert). An FSDP2 rank ``r`` of ``W`` holds experts from ``r *
-    ceil(E / W)`` of each (:func:`per_expert_stream`'s ``first_expert``).
+    ceil(E / W)`` of each (:func:`fsdp_first_expert`).
 
     Raises:
         ValueError: fused tensors of different numbers of experts.
