@@ -11,9 +11,12 @@ import torch
 
 from weightsync_core.api.checksums import host_checksum
 from weightsync_core.api.errors import TransferError, VerificationError
+from weightsync_core.data.delta import PATCH_HEADER_BYTES, DeltaPlan, DeltaReceiver, DeltaSender
 from weightsync_core.data.shards import (
     Layout,
     PlanExchange,
+    SliceDecoder,
+    SliceEncoder,
     TransferPlan,
     decoder_tensor_parallel_layout,
     fsdp_layout,
@@ -77,6 +80,43 @@ def _three_syncs(rank: int, group, results, relay: bool = False) -> None:
             assert torch.equal(piece, NEEDED[worker].boxes[name].cut(full[name])), (step, name)
             received += piece.numel() * piece.element_size()
     results.put((rank, {"received": received // 3}))
+
+
+def _changed(step: int) -> dict[str, torch.Tensor]:
+    """Step 0's weights with a few elements of every other tensor changed per step
+    (none at step 1)."""
+    weights = _weights(0)
+    for later in range(2, step + 1):
+        for index, tensor in enumerate(weights.values()):
+            if index % 2 == later % 2:
+                tensor.view(-1)[::97] += later
+    return weights
+
+
+VERSIONS = [DeltaPlan(f"v{step}", None if step == 0 else f"v{step - 1}") for step in range(4)]
+"""A full sync, then three delta syncs (the first changes nothing)."""
+
+
+def _delta_syncs(rank: int, group, results) -> None:
+    exchange = _exchange(group, relay=True)
+    exchange.agree(rank, ACTORS + len(NEEDED))
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    moved = []
+    for step, plan in enumerate(VERSIONS):
+        full = _changed(step)
+        if rank < ACTORS:
+            encoder = SliceEncoder(sender, plan, f"actor rank {rank}")
+            shards = [(name, box.cut(full[name])) for name, box in HELD[rank].boxes.items()]
+            moved.append(exchange.send(rank, HELD[rank], shards, encoder))
+            encoder.end()
+            continue
+        worker = rank - ACTORS
+        decoder = SliceDecoder(receiver, plan, f"rollout rank {worker}")
+        for name, piece in exchange.receive(worker, NEEDED[worker], decoder):
+            assert torch.equal(piece, NEEDED[worker].boxes[name].cut(full[name])), (step, name)
+        decoder.end()
+        moved.append(decoder.stats.wire_bytes)
+    results.put((rank, {"moved": moved}))
 
 
 def _relayed_three_syncs(rank: int, group, results) -> None:
@@ -146,7 +186,8 @@ class _LyingGroup:
             tensors[0][0] ^= 1
             self.flipped = tensors[0]
         elif self.forger is not None and self.flipped is not None and tensors[0].numel() < 100:
-            frame = self.forger.sealed_checksum(self.index, host_checksum(self.flipped))
+            frame = self.forger.sealed_checksum(self.index, self.flipped.numel(),
+                                                host_checksum(self.flipped))
             tensors = [torch.frombuffer(bytearray(frame), dtype=torch.uint8)]
             self.flipped = None
         return self.group.send(tensors, dst, tag)
@@ -277,6 +318,22 @@ def test_relays_deliver_every_workers_boxes_bit_exact_with_each_slice_sent_once(
         box.numel for _, box in distinct)
     assert sum(reports[rank]["sent"] for rank in range(ACTORS)) < 0.75 * sum(
         plain[rank]["sent"] for rank in range(ACTORS))
+
+
+def test_delta_syncs_of_slices_deliver_every_workers_boxes_bit_exact_as_patches(
+        clean_processes):
+    """A full sync, then three delta syncs (one changing nothing), relayed: every worker
+    rebuilds its boxes bit-exact from patches of the pieces it receives, and a delta sync
+    moves a small part of a full one's bytes, on every process."""
+    reports = _run(clean_processes, _delta_syncs)
+    for rank, report in reports.items():
+        full, *deltas = report["moved"]
+        assert full > 0 and all(delta < 0.2 * full for delta in deltas), (rank, report)
+        plan = TransferPlan.build(SHAPES, HELD, NEEDED, relay=True)
+        pieces = [t for t in plan.transfers
+                  if (t.receiver == rank - ACTORS if rank >= ACTORS else
+                      t.sender == rank and not t.relayed)]
+        assert deltas[0] == PATCH_HEADER_BYTES * len(pieces), (rank, report)  # headers only
 
 
 def test_a_killed_relaying_worker_is_named_by_the_worker_it_relays_to(clean_processes):

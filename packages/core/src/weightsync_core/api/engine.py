@@ -31,6 +31,7 @@ from weightsync_core.api.session_key import check_session_key
 __all__ = [
     "CheckpointEngine",
     "CheckpointEngineWithCache",
+    "OwnShareDecoder",
     "OwnShareEncoder",
     "SyncProgress",
     "TransferStats",
@@ -55,6 +56,17 @@ class OwnShareEncoder(Protocol):
         ...
 
     def __call__(self, share: WeightsSource) -> WeightsSource: ...
+
+
+class OwnShareDecoder(Protocol):
+    """What a rollout worker's engine that builds its tensors from what it receives
+    (:attr:`CheckpointEngine.decodes_own_pieces`) decodes them with (delta sync's
+    :class:`~weightsync_core.data.delta.ShareDecoder`)."""
+
+    @property
+    def receives_patches(self) -> bool:
+        """Whether what arrives are patches against the version this worker holds."""
+        ...
 
 
 @dataclass
@@ -163,6 +175,17 @@ class CheckpointEngine(ABC):
     In a delta sync every such rank gets the whole stream, chooses its share, and passes
     that through :attr:`share_encoder` (so each rank diffs, and keeps a copy of, its share
     only)."""
+
+    decodes_own_pieces: ClassVar[bool] = False
+    """True for engines whose rollout workers build each tensor from the pieces they
+    receive and so decode a delta sync's patches piece by piece themselves (the sharded
+    engines), through :attr:`share_decoder`; their actor ranks also set
+    :attr:`encodes_own_share`."""
+
+    share_decoder: OwnShareDecoder | None = None
+    """Set by the worker before :meth:`receive_weights` where :attr:`decodes_own_pieces`:
+    how what arrives becomes this worker's tensors (patches applied to its copy in a delta
+    sync); None: as it arrives."""
 
     executes_layouts: ClassVar[bool] = False
     """True for engines that deliver each rollout worker only the boxes its layout needs

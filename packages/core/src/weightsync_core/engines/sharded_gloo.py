@@ -20,8 +20,16 @@ from weightsync_core.api.hosts import default_host
 from weightsync_core.api.options import EngineOptions
 from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
-from weightsync_core.data.shards.exchange import PlanExchange, PlanSender, PointToPoint
+from weightsync_core.data.delta.codec import ShareDecoder, ShareEncoder
+from weightsync_core.data.shards.exchange import (
+    PieceDecoder,
+    PieceEncoder,
+    PlanExchange,
+    PointToPoint,
+    WholePieces,
+)
 from weightsync_core.data.shards.layout import Layout
+from weightsync_core.data.shards.patches import SliceDecoder, SliceEncoder
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     parse_weights_spec,
@@ -165,10 +173,17 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
     checksum; workers of different replicas that need the same slices relay them to each
     other as they arrive (option ``relay``). Workers yield ``(name, box)`` tensors of the
     shape of their box.
+
+    In a delta sync (``delta=True``) every actor rank keeps a copy of its own shard and
+    sends each piece as a patch against it, and every worker keeps a copy of its own boxes
+    and patches it piece by piece (see :mod:`weightsync_core.data.shards.patches`).
     """
 
     options_class = ShardedGlooOptions
     executes_layouts: ClassVar[bool] = True
+    supports_delta: ClassVar[bool] = True
+    encodes_own_share: ClassVar[bool] = True
+    decodes_own_pieces: ClassVar[bool] = True
     metadata_type = ShardedMetadata
     arguments_type = ShardedArguments
     family = "sharded sync"
@@ -294,7 +309,8 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
     ) -> TransferStats:
         start = time.perf_counter()
         sync = self._require_sync()
-        sender: PlanSender = sync.exchange.sender(sync.rank, sync.layout)
+        encoder = self._piece_encoder(sync.rank)
+        sender = sync.exchange.sender(sync.rank, sync.layout, encoder)
         tensors = 0
         async for name, shard in iter_named_tensors(weights):
             shard = cast_for_rollout(shard, self.rollout_dtype)
@@ -305,6 +321,8 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
                 f"{type(self).__name__} on actor rank {sync.rank}: the weight stream held no "
                 "tensors; a sync that loads nothing is refused")
         nbytes = await run_blocking(sender.finish)
+        if isinstance(encoder, SliceEncoder):
+            encoder.end()
         # its "buckets" are the data messages (chunks) it sent
         return TransferStats(tensors, nbytes, sender.messages, time.perf_counter() - start)
 
@@ -313,9 +331,12 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield each tensor's box as this worker's layout declared it, whole and checked."""
         sync = self._require_sync()
-        received = sync.exchange.receive(sync.rank, sync.layout)
+        decoder = self._piece_decoder(sync.rank)
+        received = sync.exchange.receive(sync.rank, sync.layout, decoder)
         while (item := await run_blocking(_next_or_none, received)) is not None:
             yield item
+        if isinstance(decoder, SliceDecoder):
+            decoder.end()
 
     def finalize(self) -> None:
         """End this sync (the group is built afresh every sync)."""
@@ -327,6 +348,28 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         self._end_sync()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _piece_encoder(self, rank: int) -> PieceEncoder:
+        """How actor rank ``rank`` sends its pieces: as the worker's delta sender says
+        (:attr:`share_encoder`), else whole."""
+        share = self.share_encoder
+        if not isinstance(share, ShareEncoder):
+            return WholePieces()
+        if share.plan is None or not share.sending:
+            share.sender.skip(share.plan)
+            return WholePieces()
+        return SliceEncoder(share.sender, share.plan, f"actor rank {rank}")
+
+    def _piece_decoder(self, rank: int) -> PieceDecoder:
+        """How rollout rank ``rank`` builds its boxes: as the worker's delta receiver says
+        (:attr:`share_decoder`), else from the pieces as they are."""
+        share = self.share_decoder
+        if not isinstance(share, ShareDecoder):
+            return WholePieces()
+        if share.plan is None:
+            share.receiver.forget()
+            return WholePieces()
+        return SliceDecoder(share.receiver, share.plan, f"rollout rank {rank}")
+
     def _require_sync(self) -> _Sync:
         if self._sync is None:
             raise WeightSyncError(f"{type(self).__name__}: no group (did init_process_group "

@@ -186,8 +186,8 @@ class CheckpointEngineWorker:
         passes = passes_of(engine)
         passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
-        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan,
-                                             in_place=self._patchable_weights(plan))
+        weights = self.delta_receiver.received(engine, global_steps, plan,
+                                               in_place=self._patchable_weights(plan))
         stats = await self._load(weights, global_steps, allow_manifest_change)
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
@@ -237,7 +237,7 @@ class CheckpointEngineWorker:
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         if plan is not None:
             self.delta_receiver.detach_from_server()
-        weights = self.delta_receiver.stream(engine.receive_weights(global_steps), plan)
+        weights = self.delta_receiver.received(engine, global_steps, plan)
         if written_for_verl(engine):
             weights = _owned_copies(weights)
         self.manifest_guard.start(allow_change=allow_manifest_change)

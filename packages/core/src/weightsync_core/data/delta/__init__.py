@@ -7,6 +7,7 @@ from weightsync_core.data.delta.codec import (
     DeltaReceiver,
     DeltaSender,
     DeltaStats,
+    ShareDecoder,
     ShareEncoder,
 )
 from weightsync_core.data.delta.patch import (
@@ -30,6 +31,7 @@ __all__ = [
     "PatchDigestError",
     "PatchKind",
     "PatchStats",
+    "ShareDecoder",
     "ShareEncoder",
     "SpreadDeltaSender",
     "apply_patch",

@@ -19,13 +19,13 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from weightsync_core.api.engine import OwnShareEncoder
+from weightsync_core.api.engine import OwnShareDecoder, OwnShareEncoder
 from weightsync_core.api.errors import ManifestChangedError, VerificationError, WeightSyncError
 from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
 from weightsync_core.data.delta.patch import PatchDigestError, apply_patch, encode_patch
 
 __all__ = ["DeltaBaselineError", "DeltaPlan", "DeltaReceiver", "DeltaSender", "DeltaStats",
-           "ShareEncoder"]
+           "ShareDecoder", "ShareEncoder", "host_copy"]
 
 
 class ShareEncoding(Protocol):
@@ -53,6 +53,32 @@ class ShareEncoder:
 
     def __call__(self, share: WeightsSource) -> WeightsSource:
         return self.sender.stream(share, self.plan, self.rollout_dtype, self.sending)
+
+
+class ShareDecoding(Protocol):
+    """What :meth:`DeltaReceiver.received` needs of an engine (a
+    :class:`~weightsync_core.api.engine.CheckpointEngine`)."""
+
+    decodes_own_pieces: ClassVar[bool]
+    share_decoder: OwnShareDecoder | None
+
+    def receive_weights(self, global_steps: int | None = None
+                        ) -> AsyncIterator[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class ShareDecoder:
+    """How a rollout worker of an engine that builds its tensors from the pieces it receives
+    (``decodes_own_pieces``: the sharded engines) decodes one sync's ``plan`` (None: not
+    delta-enabled) against ``receiver``'s copy."""
+
+    receiver: DeltaReceiver
+    plan: DeltaPlan | None
+
+    @property
+    def receives_patches(self) -> bool:
+        """Whether what arrives are patches against the version this worker holds."""
+        return self.plan is not None and self.plan.is_delta
 
 
 class DeltaBaselineError(WeightSyncError):
@@ -137,7 +163,7 @@ def _patchable(in_place: Mapping[str, torch.Tensor] | None, name: str,
     return target
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``tensor`` in host memory (a baseline)."""
     return tensor.detach().to("cpu", copy=True).contiguous()
 
@@ -160,7 +186,14 @@ class _Versioned:
         self.baselines = {}
         self.version = None
 
-    def _begin(self, plan: DeltaPlan, who: str) -> DeltaStats:
+    def begin(self, plan: DeltaPlan, who: str) -> DeltaStats:
+        """Start a sync of ``plan`` (``who``: this process, for errors): this side claims
+        no version until :meth:`end`; returns the sync's stats, to fill in.
+
+        Raises:
+            DeltaBaselineError: a delta sync against a version this side does not hold (its
+                copies are dropped).
+        """
         if plan.is_delta and self.version != plan.base:
             held = "no version" if self.version is None else f"version {self.version}"
             self.forget()
@@ -172,7 +205,10 @@ class _Versioned:
         self.last_stats = DeltaStats()
         return self.last_stats
 
-    def _end(self, plan: DeltaPlan, seen: set[str]) -> None:
+    def end(self, plan: DeltaPlan, seen: set[str]) -> None:
+        """End a sync of ``plan`` whose stream ended complete, having held the tensors
+        ``seen``: the copies of any others are dropped, and this side holds ``plan``'s
+        version."""
         for name in set(self.baselines) - seen:  # left the model (a full sync only)
             del self.baselines[name]
         self.version = plan.version
@@ -195,10 +231,21 @@ class DeltaSender(_Versioned):
         relay that sent patches to some replicas and has no share of the round of whole
         tensors to the rest), and its receivers hold it."""
         if plan is None or not sending:
-            if plan is None or self.version != plan.version:
-                self.forget()
+            self.skip(plan)
             return weights
         return self.encode(weights, plan, rollout_dtype)
+
+    def end(self, plan: DeltaPlan, seen: set[str]) -> None:
+        """As :meth:`_Versioned.end`, counting :attr:`deltas_since_full`."""
+        super().end(plan, seen)
+        self.deltas_since_full = self.deltas_since_full + 1 if plan.is_delta else 0
+
+    def skip(self, plan: DeltaPlan | None) -> None:
+        """This process sends nothing of ``plan``'s sync (or the sync is not delta-enabled:
+        ``plan`` None): drop this side's copy, unless it is already of ``plan``'s version
+        (see :meth:`stream`)."""
+        if plan is None or self.version != plan.version:
+            self.forget()
 
     def encoded(self, engine: ShareEncoding, weights: WeightsSource, plan: DeltaPlan | None,
                 rollout_dtype: torch.dtype | None, sending: bool = True) -> WeightsSource:
@@ -224,7 +271,7 @@ class DeltaSender(_Versioned):
                 version, or whose shape or dtype changed (a change of layout needs a full
                 sync: ``allow_manifest_change=True``).
         """
-        stats = self._begin(plan, who)
+        stats = self.begin(plan, who)
         seen: set[str] = set()
         async for name, tensor in iter_named_tensors(weights):
             tensor = cast_for_rollout(tensor, rollout_dtype)
@@ -233,7 +280,7 @@ class DeltaSender(_Versioned):
             stats.elements += tensor.numel()
             stats.model_bytes += nbytes
             if not plan.is_delta:
-                self.baselines[name] = _host_copy(tensor)
+                self.baselines[name] = host_copy(tensor)
                 stats.changed += tensor.numel()
                 stats.wire_bytes += nbytes
                 yield name, tensor
@@ -244,8 +291,7 @@ class DeltaSender(_Versioned):
             stats.changed += patch_stats.changed
             stats.wire_bytes += patch_stats.nbytes
             yield name, patch
-        self._end(plan, seen)
-        self.deltas_since_full = self.deltas_since_full + 1 if plan.is_delta else 0
+        self.end(plan, seen)
 
     def _baseline(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         old = self.baselines.get(name)
@@ -288,6 +334,11 @@ class DeltaReceiver(_Versioned):
         return sum(copy.numel() * copy.element_size() for name, copy in self.baselines.items()
                    if name not in self._in_place)
 
+    def keep(self, name: str, copy: torch.Tensor) -> None:
+        """Keep ``copy`` (this receiver's own) as the copy of ``name`` in a full sync."""
+        self.baselines[name] = copy
+        self._in_place.discard(name)
+
     def detach_from_server(self) -> None:
         """Make every copy that is the server's own tensor (patched in place by earlier
         syncs) a private copy, so that decoding the next sync writes into no tensor the
@@ -295,6 +346,18 @@ class DeltaReceiver(_Versioned):
         for name in self._in_place:
             self.baselines[name] = self.baselines[name].clone()
         self._in_place.clear()
+
+    def received(self, engine: ShareDecoding, global_steps: int | None,
+                 plan: DeltaPlan | None, in_place: Mapping[str, torch.Tensor] | None = None,
+                 ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """What a receiving process hands its server: :meth:`stream` of what ``engine``
+        receives, or, for an engine that decodes the pieces it receives itself
+        (``decodes_own_pieces``), what it receives, with ``engine.share_decoder`` set to
+        decode them against this receiver's copy."""
+        if not engine.decodes_own_pieces:
+            return self.stream(engine.receive_weights(global_steps), plan, in_place)
+        engine.share_decoder = ShareDecoder(self, plan)
+        return engine.receive_weights(global_steps)
 
     def stream(self, received: AsyncIterator[tuple[str, torch.Tensor]],
                plan: DeltaPlan | None, in_place: Mapping[str, torch.Tensor] | None = None,
@@ -326,7 +389,7 @@ class DeltaReceiver(_Versioned):
             VerificationError: a rebuilt tensor differs from the sender's, or a patch names
                 a tensor this receiver holds no copy of, or is no patch.
         """
-        stats = self._begin(plan, who)
+        stats = self.begin(plan, who)
         seen: set[str] = set()
         async for name, tensor in stream:
             seen.add(name)
@@ -336,7 +399,7 @@ class DeltaReceiver(_Versioned):
             else:
                 target = _patchable(in_place, name, tensor)
                 if target is None:  # the server gets the tensor that arrived
-                    self.baselines[name] = _host_copy(tensor)
+                    self.baselines[name] = host_copy(tensor)
                     self._in_place.discard(name)
                 else:  # the server loads ``tensor`` into it
                     self.baselines[name] = target
@@ -345,7 +408,7 @@ class DeltaReceiver(_Versioned):
             stats.elements += tensor.numel()
             stats.model_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
-        self._end(plan, seen)
+        self.end(plan, seen)
 
     def _handed_over(self, name: str, patched: torch.Tensor) -> torch.Tensor:
         """What the server gets of ``name`` once its copy is ``patched``: the server's own
@@ -356,7 +419,17 @@ class DeltaReceiver(_Versioned):
     def _apply(self, name: str, patch: torch.Tensor, who: str,
                stats: DeltaStats) -> torch.Tensor:
         """Apply ``patch`` to this receiver's copy of ``name``; returns what the server gets
-        (:meth:`_handed_over`), the time it took counted in ``stats``."""
+        (:meth:`_handed_over`)."""
+        baseline = self.copy_of(name, who)
+        self.apply(name, patch, baseline, who, stats)
+        return self._handed_over(name, baseline)
+
+    def copy_of(self, name: str, who: str) -> torch.Tensor:
+        """This receiver's copy of ``name``, which a delta sync patches.
+
+        Raises:
+            VerificationError: it holds none (its copies are dropped).
+        """
         baseline = self.baselines.get(name)
         if baseline is None:
             self.forget()
@@ -364,6 +437,17 @@ class DeltaReceiver(_Versioned):
                 f"{who}: the delta sync sent a patch for tensor {name!r}, of which it holds "
                 "no copy; it gets a full copy next sync", tensors=[name],
             )
+        return baseline
+
+    def apply(self, name: str, patch: torch.Tensor, baseline: torch.Tensor, who: str,
+              stats: DeltaStats) -> None:
+        """Apply ``patch`` to ``baseline`` (contiguous: this receiver's copy of ``name``, or
+        of a piece of it), the time it took and what changed counted in ``stats``.
+
+        Raises:
+            VerificationError: the result differs from the sender's, or ``patch`` is none
+                of ``baseline`` (naming ``who`` and ``name``; its copies are dropped).
+        """
         start = time.perf_counter()
         try:
             patch_stats = apply_patch(patch, baseline, name)
@@ -376,7 +460,5 @@ class DeltaReceiver(_Versioned):
         except ValueError as exc:
             self.forget()
             raise VerificationError(f"{who}: {exc}", tensors=[name]) from None
-        served = self._handed_over(name, baseline)
         stats.seconds += time.perf_counter() - start
         stats.changed += patch_stats.changed
-        return served

@@ -133,9 +133,8 @@ class SpreadDeltaSender(DeltaSender):
             stats.seconds += time.perf_counter() - began
             stats.wire_bytes += patch_stats.nbytes
             yield name, patch
-        self._end(plan, seen)
+        self.end(plan, seen)
         self._layouts = {name: self._layouts[name] for name in seen if name in self._layouts}
-        self.deltas_since_full = self.deltas_since_full + 1 if plan.is_delta else 0
 
     def _slice(self, numel: int) -> tuple[int, int]:
         """This rank's slice of a tensor of ``numel`` elements: ``[start, end)``."""

@@ -4,7 +4,16 @@ and its exchange over a gloo group, its bytes as gloo messages or written one-si
 through a transport (see ``docs/sharded.md``)."""
 
 from weightsync_core.data.shards.box import Box
-from weightsync_core.data.shards.exchange import PieceCarrier, PlanExchange, PointToPoint
+from weightsync_core.data.shards.exchange import (
+    PieceCarrier,
+    PieceDecoder,
+    PieceEncoder,
+    PlanExchange,
+    PlanSender,
+    PointToPoint,
+    WholePieces,
+    piece_capacity,
+)
 from weightsync_core.data.shards.experts import (
     MoEShape,
     experts_of_rank,
@@ -28,6 +37,7 @@ from weightsync_core.data.shards.one_sided import (
     OneSidedCarrier,
     RegisteredBuffer,
 )
+from weightsync_core.data.shards.patches import SliceDecoder, SliceEncoder
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     boxes_spec,
@@ -53,12 +63,18 @@ __all__ = [
     "MoEShape",
     "OneSidedCarrier",
     "PieceCarrier",
+    "PieceDecoder",
+    "PieceEncoder",
     "PlanExchange",
+    "PlanSender",
     "PointToPoint",
     "RegisteredBuffer",
     "Shapes",
+    "SliceDecoder",
+    "SliceEncoder",
     "Transfer",
     "TransferPlan",
+    "WholePieces",
     "boxes_spec",
     "check_coverage",
     "decoder_tensor_parallel_layout",
@@ -73,6 +89,7 @@ __all__ = [
     "parse_weights_spec",
     "per_expert_shapes",
     "per_expert_stream",
+    "piece_capacity",
     "plan_layouts",
     "resolve_layout",
     "tensor_parallel_spec",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -22,15 +22,92 @@ from weightsync_core.api.errors import (
     VerificationError,
 )
 from weightsync_core.data.bucketing import as_bytes
+from weightsync_core.data.delta.patch import PATCH_HEADER_BYTES
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.layout import Layout, Shapes
 from weightsync_core.data.shards.transfers import Transfer, TransferPlan
 from weightsync_core.net.wire import MessageSealer
 
-__all__ = ["PieceCarrier", "PlanExchange", "PlanSender", "PointToPoint"]
+__all__ = [
+    "PieceCarrier",
+    "PieceDecoder",
+    "PieceEncoder",
+    "PlanExchange",
+    "PlanSender",
+    "PointToPoint",
+    "WholePieces",
+    "piece_capacity",
+]
 
 _IN_FLIGHT_BYTES = 256 << 20  # a sender waits for its sends once this much is posted
-_CHECKSUM = struct.Struct("<16sQQ")  # the plan's digest, the transfer's index, its xxh3
+_CHECKSUM = struct.Struct("<16sQQQ")  # the plan's digest, the piece's index, bytes, xxh3
+_LENGTH = struct.Struct("<Q")  # a patch's bytes, ahead of it (gloo messages only)
+
+
+def piece_capacity(nbytes: int) -> int:
+    """The most bytes a piece of ``nbytes`` bytes of weights takes as it travels: itself, or
+    a patch of it (a delta sync's: at most its header and the piece, padded to 8 bytes)."""
+    return PATCH_HEADER_BYTES + -(-nbytes // 8) * 8
+
+
+class PieceEncoder(Protocol):
+    """How an actor rank turns its shard of a tensor into the bytes of the pieces it sends
+    (:class:`WholePieces`: the pieces themselves; a delta sync's: patches of them)."""
+
+    @property
+    def patches(self) -> bool:
+        """Whether pieces travel as patches, whose lengths only their sender knows."""
+        ...
+
+    def pieces(self, name: str, shard: torch.Tensor, boxes: Sequence[Box]
+               ) -> list[torch.Tensor]:
+        """The bytes (``uint8``) of each of ``boxes`` (in ``shard``'s coordinates) of
+        tensor ``name``, as they travel."""
+        ...
+
+
+class PieceDecoder(Protocol):
+    """How a rollout worker builds its box of a tensor from the pieces it receives
+    (:class:`WholePieces`: copies them into place; a delta sync's: patches its copy)."""
+
+    @property
+    def patches(self) -> bool:
+        """Whether pieces travel as patches, whose lengths only their sender knows."""
+        ...
+
+    def begin(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor of ``shape`` the pieces of tensor ``name`` are placed into."""
+        ...
+
+    def place(self, name: str, out: torch.Tensor, box: Box, data: torch.Tensor) -> None:
+        """Place the piece ``box`` (in ``out``'s coordinates), whose bytes as they travelled
+        are ``data`` (checked against its sender's checksum)."""
+        ...
+
+    def finish(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """The box of tensor ``name`` for the server, once every piece was placed in
+        ``out``."""
+        ...
+
+
+class WholePieces:
+    """Pieces as they are: a sender sends each box's bytes, a worker copies them into
+    place (a :class:`PieceEncoder` and a :class:`PieceDecoder`)."""
+
+    patches = False
+
+    def pieces(self, name: str, shard: torch.Tensor, boxes: Sequence[Box]
+               ) -> list[torch.Tensor]:
+        return [as_bytes(box.cut(shard)) for box in boxes]
+
+    def begin(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def place(self, name: str, out: torch.Tensor, box: Box, data: torch.Tensor) -> None:
+        box.cut(out).copy_(data.view(out.dtype).reshape(box.shape))
+
+    def finish(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return out
 
 
 class PointToPoint(Protocol):
@@ -54,10 +131,12 @@ class PieceCarrier(Protocol):
     """How the bytes of a plan's pieces travel; their sealed checksums always travel on the
     exchange's gloo group, after the bytes (:class:`PlanExchange` uses gloo messages unless
     given another carrier, such as one-sided writes into the receivers' registered
-    memory)."""
+    memory). A piece takes at most its transfer's :meth:`PlanExchange.capacity` bytes (a
+    patch's length is known to its sender only)."""
 
     def messages(self, exchange: PlanExchange, nbytes: int) -> int:
-        """Gloo messages (tags) a piece of ``nbytes`` bytes takes, its checksum not counted."""
+        """Gloo messages (tags) a piece of at most ``nbytes`` bytes takes, its checksum not
+        counted."""
         ...
 
     def send_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
@@ -68,8 +147,13 @@ class PieceCarrier(Protocol):
         ...
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                      data: torch.Tensor, tag: int) -> list[Work]:
-        """Post the receives of the plan's ``index``-th piece into ``data`` (bytes)."""
+                      tag: int) -> tuple[torch.Tensor | None, list[Work]]:
+        """Post the receives of the plan's ``index``-th piece: the tensor it lands in and
+        the receives, or ``(None, [])`` where its bytes are found once its checksum arrived
+        (:meth:`collect`).
+
+        Raises:
+            TransferError: its sender announced more bytes than the piece may take."""
         ...
 
     def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
@@ -79,14 +163,18 @@ class PieceCarrier(Protocol):
         ...
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                data: torch.Tensor) -> None:
-        """After the piece's receives and its checksum arrived: make ``data`` hold its bytes
-        (a copy out of memory peers can write, checked after this)."""
+                received: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+        """After the piece's receives and its checksum (which says it is ``nbytes`` long,
+        at most its capacity) arrived: its bytes (``received``, what
+        :meth:`receive_piece` returned, or a copy out of memory peers can write), checked
+        after this."""
         ...
 
 
 class GlooCarrier:
-    """Pieces as gloo messages of at most the exchange's ``chunk_bytes`` each."""
+    """Pieces as gloo messages of at most the exchange's ``chunk_bytes`` each; a patch's
+    length travels ahead of it (checked against its sealed checksum, which says it
+    again)."""
 
     def messages(self, exchange: PlanExchange, nbytes: int) -> int:
         return exchange.chunks(nbytes)
@@ -94,32 +182,50 @@ class GlooCarrier:
     def send_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                    data: torch.Tensor, tag: int) -> list[Work]:
         peer = exchange.actor_ranks + transfer.receiver
+        receiver = f"rollout rank {transfer.receiver}"
         works = []
+        if exchange.patches:
+            length = torch.frombuffer(bytearray(_LENGTH.pack(data.numel())), dtype=torch.uint8)
+            works.append(exchange.post(exchange.group.send, length, peer,
+                                       exchange.length_tag(index), receiver, "sending"))
         for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
             works.append(exchange.post(exchange.group.send,
                                        data[start:start + exchange.chunk_bytes], peer, tag,
-                                       f"rollout rank {transfer.receiver}", "sending"))
+                                       receiver, "sending"))
             tag += 1
         return works
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                      data: torch.Tensor, tag: int) -> list[Work]:
+                      tag: int) -> tuple[torch.Tensor | None, list[Work]]:
+        source, peer = exchange.source_rank(transfer), transfer.source
+        nbytes = exchange.piece_bytes(transfer)
+        if exchange.patches:
+            length = torch.empty(_LENGTH.size, dtype=torch.uint8)
+            exchange.wait(exchange.post(exchange.group.recv, length, source,
+                                        exchange.length_tag(index), peer, "receiving"),
+                          peer, "receiving")
+            (nbytes,) = _LENGTH.unpack(length.numpy().tobytes())
+            exchange.check_length(index, transfer, nbytes)
+        data = torch.empty(nbytes, dtype=torch.uint8)
         works = []
         for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
             works.append(exchange.post(exchange.group.recv,
-                                       data[start:start + exchange.chunk_bytes],
-                                       exchange.source_rank(transfer), tag, transfer.source,
-                                       "receiving"))
+                                       data[start:start + exchange.chunk_bytes], source, tag,
+                                       peer, "receiving"))
             tag += 1
-        return works
+        return data, works
 
     def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       received: int, data: torch.Tensor, tag: int) -> list[Work]:
         return self.send_piece(exchange, index, transfer, data, tag)
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                data: torch.Tensor) -> None:
-        """The bytes were received into ``data``."""
+                received: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+        """The bytes were received into ``received``."""
+        if received is None or received.numel() != nbytes:
+            raise exchange.corrupt(index, transfer, f"it came as {nbytes} bytes where "
+                                   f"{0 if received is None else received.numel()} arrived")
+        return received
 
 
 class PlanExchange:
@@ -160,7 +266,9 @@ class PlanExchange:
         self.sealer = sealer
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
-        self._frame_bytes = len(self.sealed_checksum(0, 0))
+        self.patches = False
+        """Whether pieces travel as patches (set by :meth:`sender` and :meth:`receive`)."""
+        self._frame_bytes = len(self.sealed_checksum(0, 0, 0))
         """Bytes of a sealed checksum frame (the same for every piece)."""
         self.timeout = timedelta(seconds=timeout)
         self.seconds = timeout
@@ -176,12 +284,47 @@ class PlanExchange:
         tag = 0
         for transfer in self.plan.transfers:  # every process numbers the messages alike
             self._first_tag.append(tag)
-            tag += carrier.messages(self, self.piece_bytes(transfer)) + 1
+            tag += carrier.messages(self, self.capacity(transfer)) + 2  # + checksum, length
         self.free_tag = tag
 
     def piece_bytes(self, transfer: Transfer) -> int:
         """Bytes of ``transfer``'s piece as it travels."""
         return transfer.box.numel * self.dtypes[transfer.name].itemsize
+
+    def capacity(self, transfer: Transfer) -> int:
+        """The most bytes ``transfer``'s piece takes as it travels, whole or as a patch
+        (:func:`piece_capacity`)."""
+        return piece_capacity(self.piece_bytes(transfer))
+
+    def frame_tag(self, index: int) -> int:
+        """The gloo tag of the plan's ``index``-th piece's sealed checksum."""
+        return self._first_tag[index] + self.carrier.messages(
+            self, self.capacity(self.plan.transfers[index]))
+
+    def length_tag(self, index: int) -> int:
+        """The gloo tag of the plan's ``index``-th piece's length, where a carrier sends
+        it ahead of a patch."""
+        return self.frame_tag(index) + 1
+
+    def check_length(self, index: int, transfer: Transfer, nbytes: int) -> None:
+        """Refuse a piece announced as ``nbytes`` long where it may not be: more than its
+        capacity, or, for a whole piece, other than its bytes.
+
+        Raises:
+            TransferError: naming the piece and its sender.
+        """
+        whole = self.piece_bytes(transfer)
+        if nbytes > self.capacity(transfer) or (not self.patches and nbytes != whole):
+            raise self.corrupt(index, transfer, f"its sender announced {nbytes} bytes, where "
+                               f"it takes {'at most ' if self.patches else ''}"
+                               f"{self.capacity(transfer) if self.patches else whole}")
+
+    def corrupt(self, index: int, transfer: Transfer, why: str) -> TransferError:
+        """The error of the plan's ``index``-th piece arriving malformed (``why``)."""
+        peer = transfer.source
+        return TransferError(f"rollout rank {transfer.receiver}: the piece {transfer.box} of "
+                             f"tensor {transfer.name!r} from {peer} (piece {index}) was "
+                             f"refused: {why}", peer=peer, stage="receiving")
 
     def source_rank(self, transfer: Transfer) -> int:
         """The group rank that sends ``transfer`` (an actor rank, or a relaying worker)."""
@@ -208,18 +351,20 @@ class PlanExchange:
                 "differs from this one (another membership or layout); nothing was sent",
                 stage="agreeing")
 
-    def send(self, rank: int, held: Layout, shards: Iterable[tuple[str, torch.Tensor]]
-             ) -> int:
+    def send(self, rank: int, held: Layout, shards: Iterable[tuple[str, torch.Tensor]],
+             encoder: PieceEncoder | None = None) -> int:
         """Send actor rank ``rank``'s pieces from ``shards`` (``(name, the piece of that
-        tensor its layout holds)``, in stream order); returns the bytes sent. See
-        :meth:`sender` for the errors."""
-        sending = self.sender(rank, held)
+        tensor its layout holds)``, in stream order), as ``encoder`` makes them; returns
+        the bytes sent. See :meth:`sender` for the errors."""
+        sending = self.sender(rank, held, encoder)
         for name, shard in shards:
             sending.put(name, shard)
         return sending.finish()
 
-    def sender(self, rank: int, held: Layout) -> PlanSender:
-        """Actor rank ``rank``'s sending, one shard at a time (:class:`PlanSender`).
+    def sender(self, rank: int, held: Layout, encoder: PieceEncoder | None = None
+               ) -> PlanSender:
+        """Actor rank ``rank``'s sending, one shard at a time (:class:`PlanSender`), its
+        pieces as ``encoder`` makes them (default: :class:`WholePieces`).
 
         Raises:
             ValueError: the plan has this rank send rows its layout does not hold (before
@@ -233,11 +378,15 @@ class PlanExchange:
                     raise ValueError(f"actor rank {rank}: the plan sends {transfer.box} of "
                                      f"tensor {name!r}, but its layout holds "
                                      f"{box if box is not None else 'none of it'}")
-        return PlanSender(self, rank, held, mine)
+        encoder = encoder or WholePieces()
+        self.patches = encoder.patches
+        return PlanSender(self, rank, held, mine, encoder)
 
-    def receive(self, rank: int, needed: Layout) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, rank: int, needed: Layout, decoder: PieceDecoder | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Rollout rank ``rank``'s boxes, tensor by tensor in stream order: ``(name, the
-        box of that tensor its layout needs)``, each piece checked.
+        box of that tensor its layout needs)``, each piece checked, then placed by
+        ``decoder`` (default: :class:`WholePieces`).
 
         Raises:
             ValueError: before anything is received, where the plan does not deliver
@@ -248,19 +397,20 @@ class PlanExchange:
         mine = self._by_name(self._indexed(lambda t: t.receiver == rank))
         self._check_delivers(rank, needed, mine)
         forwards = self._forwards(rank)
+        decoder = decoder or WholePieces()
+        self.patches = decoder.patches
         pending: list[tuple[Work, Transfer]] = []
         for name in self.shapes:
             want = needed.boxes.get(name)
             if want is None:
                 continue
-            out = torch.empty(want.shape, dtype=self.dtypes[name])
+            out = decoder.begin(name, want.shape, self.dtypes[name])
             for index, transfer in mine.get(name, []):
                 piece, checksum = self._receive_piece(index, transfer)
                 for relayed_index, relayed in forwards.get((name, transfer.box), []):
                     pending.extend(self._forward(relayed_index, relayed, index, piece, checksum))
-                transfer.box.within(want).cut(out).copy_(
-                    piece.view(self.dtypes[name]).reshape(transfer.box.shape))
-            yield name, out
+                decoder.place(name, out, transfer.box.within(want), piece)
+            yield name, decoder.finish(name, out)
         self.drain(pending, "relaying")
 
     def _forwards(self, rank: int) -> dict[tuple[str, Box], list[tuple[int, Transfer]]]:
@@ -285,33 +435,38 @@ class PlanExchange:
         with its checksum; returns the sends in flight."""
         tag = self.first_tag(index)
         works = self.carrier.forward_piece(self, index, transfer, received, data, tag)
-        frame = torch.frombuffer(bytearray(self.sealed_checksum(index, checksum)),
+        frame = torch.frombuffer(bytearray(self.sealed_checksum(index, data.numel(), checksum)),
                                  dtype=torch.uint8)
         works.append(self.post(self.group.send, frame, self.actor_ranks + transfer.receiver,
-                               tag + self.carrier.messages(self, data.numel()),
-                               f"rollout rank {transfer.receiver}", "relaying"))
+                               self.frame_tag(index), f"rollout rank {transfer.receiver}",
+                               "relaying"))
         return [(work, transfer) for work in works]
 
     def _receive_piece(self, index: int, transfer: Transfer) -> tuple[torch.Tensor, int]:
-        """The plan's ``index``-th piece, checked, and its checksum."""
-        data = torch.empty(self.piece_bytes(transfer), dtype=torch.uint8)
-        tag = self.first_tag(index)
+        """The plan's ``index``-th piece (its bytes as they travelled), checked, and its
+        checksum."""
         peer = transfer.source
-        works = self.carrier.receive_piece(self, index, transfer, data, tag)
+        received, works = self.carrier.receive_piece(self, index, transfer,
+                                                     self.first_tag(index))
         frame = torch.empty(self._frame_bytes, dtype=torch.uint8)
         works.append(self.post(self.group.recv, frame, self.source_rank(transfer),
-                               tag + self.carrier.messages(self, data.numel()), peer, "receiving"))
+                               self.frame_tag(index), peer, "receiving"))
         for work in works:
             self.wait(work, peer, "receiving")
-        self.carrier.collect(self, index, transfer, data)
         where = (f"rollout rank {transfer.receiver}: the piece {transfer.box} of tensor "
                  f"{transfer.name!r} from {peer}")
         try:
-            plan, piece, checksum = _CHECKSUM.unpack(self.sealer.open(frame.numpy().tobytes()))
+            plan, piece, nbytes, checksum = _CHECKSUM.unpack(
+                self.sealer.open(frame.numpy().tobytes()))
         except UnauthenticatedMessageError:
             raise VerificationError(f"{where} came with a checksum not sealed under this "
                                     "sync's key", tensors=[transfer.name], source=peer) from None
-        if plan.hex() != self.plan.digest or piece != index or self.checksum(data) != checksum:
+        if plan.hex() != self.plan.digest or piece != index:
+            raise VerificationError(f"{where} is corrupt: its checksum is another piece's",
+                                    tensors=[transfer.name], source=peer)
+        self.check_length(index, transfer, nbytes)
+        data = self.carrier.collect(self, index, transfer, received, nbytes)
+        if self.checksum(data) != checksum:
             raise VerificationError(f"{where} is corrupt: it differs from its sender's checksum",
                                     tensors=[transfer.name], source=peer)
         return data, checksum
@@ -340,10 +495,11 @@ class PlanExchange:
             grouped[transfer.name].append((index, transfer))
         return dict(grouped)
 
-    def sealed_checksum(self, index: int, checksum: int) -> bytes:
-        """The frame announcing the plan's ``index``-th piece's ``checksum``."""
+    def sealed_checksum(self, index: int, nbytes: int, checksum: int) -> bytes:
+        """The frame announcing the plan's ``index``-th piece's length, ``nbytes``, and
+        ``checksum``."""
         return self.sealer.seal(_CHECKSUM.pack(bytes.fromhex(self.plan.digest), index,
-                                               checksum))
+                                               nbytes, checksum))
 
     def first_tag(self, index: int) -> int:
         """The tag of the first message of the plan's ``index``-th transfer."""
@@ -385,8 +541,10 @@ class PlanSender:
     :meth:`finish`. Made by :meth:`PlanExchange.sender`."""
 
     def __init__(self, exchange: PlanExchange, rank: int, held: Layout,
-                 mine: Mapping[str, list[tuple[int, Transfer]]]) -> None:
+                 mine: Mapping[str, list[tuple[int, Transfer]]],
+                 encoder: PieceEncoder) -> None:
         self.exchange = exchange
+        self.encoder = encoder
         self.rank = rank
         self.held = held
         self.mine = mine
@@ -413,19 +571,19 @@ class PlanSender:
         if tuple(shard.shape) != box.shape or shard.dtype != exchange.dtypes[name]:
             raise ValueError(f"actor rank {rank}: tensor {name!r} is {list(shard.shape)} "
                              f"{shard.dtype}; its layout holds {box} of {exchange.dtypes[name]}")
-        for index, transfer in self.mine.get(name, []):
-            data = as_bytes(transfer.box.within(box).cut(shard))
-            peer = exchange.actor_ranks + transfer.receiver
-            tag = exchange.first_tag(index)
+        mine = self.mine.get(name, [])
+        datas = self.encoder.pieces(name, shard, [t.box.within(box) for _, t in mine])
+        for (index, transfer), data in zip(mine, datas, strict=True):
             receiver = f"rollout rank {transfer.receiver}"
-            works = exchange.carrier.send_piece(exchange, index, transfer, data, tag)
+            works = exchange.carrier.send_piece(exchange, index, transfer, data,
+                                                exchange.first_tag(index))
             self.pending.extend((work, transfer) for work in works)
-            tag += exchange.carrier.messages(exchange, data.numel())
             self.messages += exchange.chunks(data.numel())
-            frame = exchange.sealed_checksum(index, exchange.checksum(data))
+            frame = exchange.sealed_checksum(index, data.numel(), exchange.checksum(data))
             checksum = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
-            self.pending.append((exchange.post(exchange.group.send, checksum, peer, tag,
-                                               receiver, "sending"), transfer))
+            self.pending.append((exchange.post(
+                exchange.group.send, checksum, exchange.actor_ranks + transfer.receiver,
+                exchange.frame_tag(index), receiver, "sending"), transfer))
             self.in_flight += data.numel()
             self.sent += data.numel()
         if self.in_flight >= _IN_FLIGHT_BYTES:

@@ -194,9 +194,9 @@ class OneSidedCarrier:
                                     stage=stage) from None
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                      data: torch.Tensor, tag: int) -> list[Work]:
-        """Nothing to post: the sender writes."""
-        return []
+                      tag: int) -> tuple[torch.Tensor | None, list[Work]]:
+        """Nothing to post: the sender writes (:meth:`collect` finds the bytes)."""
+        return None, []
 
     def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       received: int, data: torch.Tensor, tag: int) -> list[Work]:
@@ -211,11 +211,12 @@ class OneSidedCarrier:
         return []
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
-                data: torch.Tensor) -> None:
-        """Copy the piece out of the landing buffer (then it is checked)."""
+                received: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+        """A copy of the piece's ``nbytes`` out of the landing buffer (then it is
+        checked)."""
         landing = self._require(self.landing)
         offset = self.offsets[index]
-        data.copy_(landing[offset:offset + data.numel()])
+        return landing[offset:offset + nbytes].clone()
 
     # -- set-up ----------------------------------------------------------------------------
     def _hand_out_landing(self, exchange: PlanExchange, rank: int,
@@ -223,7 +224,7 @@ class OneSidedCarrier:
         """Post the sends of rollout rank ``rank``'s landing to its senders; returns them."""
         mine = exchange.plan.received_by(rank)
         self.landing, remote = buffer.at_least(
-            sum(exchange.piece_bytes(transfer) for transfer in mine))
+            sum(exchange.capacity(transfer) for transfer in mine))
         frame = exchange.sealer.seal(_CODEC.encode(Landing(self.transport.metadata(), remote)))
         body = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
         length = torch.frombuffer(bytearray(_LENGTH.pack(len(frame))), dtype=torch.uint8)
@@ -241,7 +242,7 @@ class OneSidedCarrier:
         mine = exchange.plan.sent_by(rank)
         if not mine:
             return
-        largest = max(exchange.piece_bytes(transfer) for transfer in mine)
+        largest = max(exchange.capacity(transfer) for transfer in mine)
         self.staging, _ = buffer.at_least(min(largest, exchange.chunk_bytes))
         self._take_landings_of(exchange, mine, receivers)
 
@@ -261,13 +262,14 @@ class OneSidedCarrier:
 
 
 def _landing_offsets(exchange: PlanExchange) -> list[int]:
-    """Each piece's offset in its receiver's landing buffer: the pieces a worker receives
-    lie back to back, in plan order."""
+    """Each piece's offset in its receiver's landing buffer: the places of the pieces a
+    worker receives lie back to back, in plan order, each as large as the piece may be
+    (:meth:`PlanExchange.capacity`: a patch of it takes a little more)."""
     filled: dict[int, int] = defaultdict(int)
     offsets = []
     for transfer in exchange.plan.transfers:
         offsets.append(filled[transfer.receiver])
-        filled[transfer.receiver] += exchange.piece_bytes(transfer)
+        filled[transfer.receiver] += exchange.capacity(transfer)
     return offsets
 
 
