@@ -21,6 +21,7 @@ import ray
 from weightsync_core.api.config import parse_dtype
 from weightsync_core.api.errors import SyncStageError
 from weightsync_core.data.bucketing import cast_for_rollout
+from weightsync_core.data.delta.patch import PATCH_HEADER_BYTES
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     fsdp_spec,
@@ -35,15 +36,19 @@ from weightsync_core.testing.suite import _ConformanceBase
 from weightsync_core.testing.weights import (
     DECODER,
     MOE,
+    ONE_ELEMENT,
     Faults,
     TensorDigest,
     digest,
     make_weights,
+    sparse_updates,
 )
 
 __all__ = ["ShardedDeliveryConformanceTests"]
 
 _PROFILE = "decoder"
+_DELTA_SEED = 90
+_SPARSE = 0.02
 
 
 class ShardedDeliveryConformanceTests(_ConformanceBase):
@@ -54,6 +59,7 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
         "test_sharded_added_tp_replica_gets_its_slices": (("replica", 2),),
         "test_sharded_moe_into_tp_and_ep_replicas": (("replica", 2),),
         "test_sharded_sender_that_dies_is_blamed": (("actor", 1),),
+        "test_sharded_delta_syncs_of_slices_bit_exact_and_move_less": (("replica", 2),),
     }
 
     moe_storage: ClassVar[str] = "moe_fused"
@@ -76,7 +82,8 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
                  fused_experts: bool = False) -> Iterator[list[LayoutSpec | None]]:
         """FSDP rows on the actor ranks (``fused_experts``: of a model holding its experts
         fused, streamed per expert), tensor-parallel layouts on ``replicas`` (or
-        ``layouts``, one per worker); everything whole again afterwards."""
+        ``layouts``, one per worker); everything whole again afterwards, on the replicas
+        then in ``replicas`` (a case removes a replica it killed)."""
         size = len(harness.actors)
         layouts = list(layouts or self._worker_layouts(harness, replicas))
         workers = [worker for replica in replicas for worker in replica.workers]
@@ -88,7 +95,8 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             yield layouts
         finally:
             ray.get([actor.set_layout.remote(None) for actor in harness.actors])
-            ray.get([worker.set_layout.remote(None) for worker in workers])
+            ray.get([worker.set_layout.remote(None)
+                     for replica in replicas for worker in replica.workers])
             # the deployment's other cases expect the standard weights, whole, everywhere
             expected = harness.set_weights(seed=70)
             harness.manager(replicas).update_weights_sync(global_steps=70,
@@ -96,14 +104,16 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             self.assert_delivered(harness, expected, replicas)
 
     def _expected(self, harness: SyncHarness, seed: int,
-                  layouts: Sequence[LayoutSpec | None], profile: str = _PROFILE
+                  layouts: Sequence[LayoutSpec | None], profile: str = _PROFILE,
+                  updates: Sequence[tuple[int, float]] = ()
                   ) -> list[dict[str, TensorDigest]]:
         """What each worker of ``layouts`` must receive: the digests of its boxes of the
-        weights of ``profile`` (``moe_fused`` streams as ``moe``)."""
+        weights of ``profile`` (``moe_fused`` streams as ``moe``) after ``updates``."""
         dtype = parse_dtype(harness.config.rollout_dtype)
         streamed = "moe" if profile == "moe_fused" else profile
-        weights = {name: cast_for_rollout(tensor, dtype) for name, tensor in
-                   make_weights(seed, harness.config.bucket_size_bytes, streamed).items()}
+        made = make_weights(seed, harness.config.bucket_size_bytes, streamed)
+        weights = {name: cast_for_rollout(tensor, dtype)
+                   for name, tensor in sparse_updates(made, updates).items()}
         shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
         expected = []
         for index, spec in enumerate(layouts):
@@ -115,17 +125,17 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
     def _sync_and_check(self, harness: SyncHarness, manager: Any, seed: int,
                         replicas: Sequence[RayRolloutReplica],
                         layouts: Sequence[LayoutSpec | None],
-                        allow_manifest_change: bool = False, profile: str = _PROFILE
-                        ) -> dict[str, float]:
-        """Sync the weights of ``profile`` (``decoder`` by default) of ``seed``
-        (``allow_manifest_change``: the first sync of a case, whose workers held other
-        tensors before); check every worker."""
-        harness.set_weights(seed=seed, profile=profile)
-        metrics = manager.update_weights_sync(global_steps=seed,
+                        allow_manifest_change: bool = False, profile: str = _PROFILE,
+                        updates: Sequence[tuple[int, float]] = ()) -> dict[str, float]:
+        """Sync the weights of ``profile`` (``decoder`` by default) of ``seed`` after
+        ``updates`` (``allow_manifest_change``: the first sync of a case, whose workers held
+        other tensors before); check every worker."""
+        harness.set_weights(seed=seed, profile=profile, updates=updates)
+        metrics = manager.update_weights_sync(global_steps=seed + len(updates),
                                               allow_manifest_change=allow_manifest_change)
         reports = harness.reports(replicas)
-        for index, (report, expected) in enumerate(zip(
-                reports, self._expected(harness, seed, layouts, profile), strict=True)):
+        expected_boxes = self._expected(harness, seed, layouts, profile, updates)
+        for index, (report, expected) in enumerate(zip(reports, expected_boxes, strict=True)):
             assert report["received"] == expected, (
                 f"rollout rank {index} ({layouts[index]}): received "
                 f"{sorted(report['received'])[:3]}..., differing "
@@ -270,6 +280,99 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             ray.get(harness.actors[1].set_layout.remote(fsdp_spec(len(harness.actors), 1)))
             self._sync_and_check(harness, harness.manager(), 76, replicas, layouts,
                                  allow_manifest_change=True)
+
+    def test_sharded_delta_syncs_of_slices_bit_exact_and_move_less(
+            self, harness: SyncHarness) -> None:
+        """``delta=True`` with 2 FSDP ranks into the replicas and an added TP=2 replica
+        (the two TP=2 replicas' workers relay the slices they share): a full sync, then ten
+        delta syncs (nothing, everything, one element, 2% and 30% of every tensor) deliver
+        every worker's slices bit-exact as patches, a 2% sync moving under a fifth of the
+        bytes and one of nothing headers only. A worker whose copy of its slices was
+        tampered with is caught and named; a sync cut short by a failing actor rank, and
+        one by a worker that dies mid-delta, leave no one claiming a version: each is
+        followed by a full sync, bit-exact, then patches again."""
+        added = harness.new_replica(2)
+        replicas = [*harness.replicas, added]
+        manager = harness.manager(replicas, delta=True,
+                                  sync_timeout_seconds=self.failure_timeout_seconds)
+        updates: list[tuple[int, float]] = []
+
+        def sync(fraction: float | None, allow_manifest_change: bool = False
+                 ) -> dict[str, float]:
+            if fraction is not None:
+                updates.append((_DELTA_SEED + len(updates) + 1, fraction))
+            return self._sync_and_check(harness, manager, _DELTA_SEED, replicas,
+                                        layouts[:sum(len(r.workers) for r in replicas)],
+                                        allow_manifest_change, updates=updates)
+
+        try:
+            with self._sharded(harness, replicas) as layouts:
+                assert sync(None, allow_manifest_change=True)["weightsync/delta"] == 0.0
+                for fraction in (0.0, 1.0, ONE_ELEMENT, _SPARSE, 0.3, 0.0, _SPARSE, _SPARSE,
+                                 0.3, _SPARSE):
+                    metrics = sync(fraction)
+                    assert metrics["weightsync/delta"] == 1.0, (fraction, metrics)
+                    moved, model = metrics["weightsync/bytes"], metrics["weightsync/model_bytes"]
+                    if fraction == 0.0:  # headers only: one a piece, at most one a tensor
+                        pieces = metrics["weightsync/tensors"] * len(harness.actors) * len(
+                            layouts)  # from each actor rank to each worker
+                        assert moved % PATCH_HEADER_BYTES == 0, moved
+                        assert moved <= PATCH_HEADER_BYTES * pieces, (moved, pieces)
+                    elif fraction == _SPARSE:
+                        assert moved < model / 5, (moved, model)
+                self._tampered_copy_is_caught_then_healed(harness, manager, added, sync)
+                self._failed_delta_then_full(harness, manager, replicas, updates, sync,
+                                             Faults(raise_after=5))
+                ray.get(added.workers[-1].set_faults.remote(die_after=3))
+                self._failed_delta_then_full(harness, manager, replicas, updates, sync)
+        finally:
+            for worker in added.workers:
+                ray.kill(worker)
+
+    @staticmethod
+    def _tampered_copy_is_caught_then_healed(harness: SyncHarness, manager: Any,
+                                             added: RayRolloutReplica, sync: Any) -> None:
+        """A bit flipped in the last worker's copy of its slice of the embedding: the next
+        delta sync fails naming it and the tensor; the one after is full for everyone."""
+        victim = added.workers[-1]
+        ray.get(victim.tamper_delta_baseline.remote("model.embed_tokens.weight"))
+        with pytest.raises(SyncStageError, match=r"'model\.embed_tokens\.weight' rebuilt "
+                           r"from its delta .* not the sender's") as info:
+            sync(_SPARSE)
+        workers = [worker for replica in manager.replicas for worker in replica.workers]
+        assert info.value.worker is not None and info.value.worker.startswith(
+            f"rollout rank {workers.index(victim)} "), str(info.value)
+        assert sync(None)["weightsync/delta"] == 0.0
+        assert not manager.stale_replicas
+
+    @staticmethod
+    def _failed_delta_then_full(harness: SyncHarness, manager: Any,
+                                replicas: list[RayRolloutReplica],
+                                updates: list[tuple[int, float]], sync: Any,
+                                faults: Faults | None = None) -> None:
+        """A delta sync fails mid-way (the actor ranks raise after ``faults``, else the
+        last replica's last worker dies, set up by the caller): no worker left claims a
+        version; a dead worker's replica is stale (stop-the-world) and is removed; the next
+        sync to the rest is full and bit-exact, the one after patches again."""
+        harness.set_weights(seed=_DELTA_SEED, profile=_PROFILE,
+                            updates=[*updates, (_DELTA_SEED + 99, _SPARSE)], faults=faults)
+        with pytest.raises(SyncStageError) as info:
+            manager.update_weights_sync(global_steps=_DELTA_SEED + 99)
+        if faults is None:
+            dead = replicas.pop()
+            workers = [worker for replica in manager.replicas for worker in replica.workers]
+            assert info.value.worker is not None and info.value.worker.startswith(
+                f"rollout rank {workers.index(dead.workers[-1])} "), str(info.value)
+            assert manager.stages_syncs() or [id(r) for r in manager.stale_replicas] == [
+                id(dead)], str(info.value)
+            manager.remove_replicas([dead])
+        else:
+            assert "injected failure" in str(info.value), str(info.value)
+        statuses = ray.get([worker.weights_status.remote()
+                            for replica in replicas for worker in replica.workers])
+        assert all(status["delta_version"] is None for status in statuses), statuses
+        assert sync(_SPARSE)["weightsync/delta"] == 0.0
+        assert sync(_SPARSE)["weightsync/delta"] == 1.0
 
 
 def _distinct_bytes(expected: Sequence[Mapping[str, TensorDigest]]) -> int:
