@@ -30,7 +30,7 @@ def test_each_worker_host_receives_its_share_and_each_actor_host_sends_its_rows(
         for sent in cell.actor_nic_sent:
             assert SIZE / 2 <= sent < SIZE / 2 + MIB, cell
     report = ShardedReport("1gbit", SIZE, 4, 1, cells=[cell])
-    assert f"| {method} | {SIZE * worker_share / MIB:.0f} MiB |" in report.markdown()
+    assert f"| {method} | {SIZE * worker_share / MIB:.1f} MiB |" in report.markdown()
 
 
 @pytest.mark.parametrize("relay", [True, False])
@@ -57,8 +57,26 @@ def test_replicas_relay_so_the_actor_hosts_send_the_model_once(testbed, relay):
         assert all(sent < MIB for sent in cell.worker_nic_sent), cell
 
 
+def test_a_delta_sync_of_slices_carries_a_small_part_of_a_full_one(testbed):
+    """2% of every tensor changed on each FSDP rank: each TP worker's NIC carries patches of
+    its half (float32: positions and values, about 4% of it), the actor hosts' NICs as
+    little, where the full sync of the cell before carried the half whole."""
+    cell = measure_cell(testbed, "nixl_sharded", actors=2, tp=2, replicas=1,
+                        placement=PLACEMENT, nbytes=SIZE, bucket_megabytes=4, repeats=1,
+                        changed_fraction=0.02)
+
+    half = SIZE / 2
+    assert all(0.03 * half < received < 0.1 * half for received in cell.worker_nic_received
+               ), cell
+    assert all(sent < 0.1 * half for sent in cell.actor_nic_sent), cell
+    assert cell.diff_seconds is not None and cell.diff_seconds > 0, cell
+
+
 def test_a_sharded_method_is_read_with_its_bucket_and_relay_mode():
     assert is_sharded("nixl_sharded:8+direct") and is_sharded("gloo_sharded")
-    assert not is_sharded("mooncake:8")
+    assert is_sharded("nixl_sharded+direct+delta")
+    assert not is_sharded("mooncake:8") and not is_sharded("nixl+delta")
     with pytest.raises(ValueError, match=r"only a sharded backend takes '\+direct'"):
         is_sharded("nixl+direct")
+    with pytest.raises(ValueError, match=r"no mode 'fast'"):
+        is_sharded("nixl_sharded+fast")

@@ -117,7 +117,8 @@ def _sharded(args: argparse.Namespace) -> int:
         layouts.append((int(actors), int(tp)))
     report = run_sharded_bench(
         layouts, args.size_mb, Link(args.link), args.bucket_mb, args.repeats,
-        sharded=args.sharded.split(","), full_copy=args.full_copy.split(","))
+        sharded=args.sharded.split(","), full_copy=args.full_copy.split(","),
+        changed_fraction=args.changed_fraction)
     print(report.markdown())
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report.as_dict(), indent=2))
@@ -184,10 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     sharded.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
     sharded.add_argument("--repeats", type=int, default=3, help="timed syncs of each method")
     sharded.add_argument("--sharded", default="nixl_sharded",
-                         help="sharded backends, comma-separated")
+                         help="sharded backends, comma-separated; BACKEND+direct without "
+                         "relays, BACKEND+delta for its delta syncs")
     sharded.add_argument("--full-copy", default="mooncake,mooncake:8,nixl,gloo",
                          help="full-copy backends to compare with, comma-separated; "
-                         "BACKEND:MiB uses buckets of that size")
+                         "BACKEND:MiB uses buckets of that size, BACKEND+delta its delta "
+                         "syncs")
+    sharded.add_argument("--changed-fraction", type=float, default=0.02,
+                         help="what each delta sync (+delta methods) changes of every "
+                         "tensor on every actor rank")
     sharded.add_argument("--json-out", help="also write the result as JSON to this file")
     sharded.set_defaults(run=_sharded)
     fit = commands.add_parser(

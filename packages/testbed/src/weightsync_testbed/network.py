@@ -114,6 +114,9 @@ class NicBytes:
     def __sub__(self, earlier: NicBytes) -> NicBytes:
         return NicBytes(self.sent - earlier.sent, self.received - earlier.received)
 
+    def __add__(self, other: NicBytes) -> NicBytes:
+        return NicBytes(self.sent + other.sent, self.received + other.received)
+
 
 @dataclass
 class _Host:

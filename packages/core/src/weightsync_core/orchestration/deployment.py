@@ -139,6 +139,16 @@ class UniformWeightsSource(ActorCheckpointEngineMixin):
             signs = torch.randint(0, 2, tensor.shape, generator=generator, dtype=torch.int8)
             tensor.add_(signs.to(tensor.dtype).mul_(2).sub_(1), alpha=learning_rate)
 
+    def change_elements(self, fraction: float, seed: int) -> None:
+        """Give about ``fraction`` of every tensor's elements (drawn with ``seed``) new
+        random values: the sparse change a delta sync benchmark moves."""
+        generator = torch.Generator().manual_seed(seed)
+        for tensor in self.weights.values():
+            flat = tensor.view(-1)
+            changed = round(fraction * flat.numel())
+            positions = torch.randint(0, flat.numel(), (changed,), generator=generator)
+            flat[positions] = torch.rand(changed, generator=generator)
+
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.weights.items())
 
