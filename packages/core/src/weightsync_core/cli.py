@@ -401,8 +401,8 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       "enable_expert_parallel) instead of a slice of every expert")
     plan.add_argument("--changed-fraction", type=_fraction,
                       help="delta syncs: this fraction of the elements changed since the last "
-                      "sync; every option moves patches instead (sharded delivery's delta is "
-                      "not built yet: its figure is what it would be)")
+                      "sync; every option moves patches instead (the bytes only: diffing and "
+                      "applying are not modelled)")
     plan.add_argument("--largest-tensor-mb", type=_non_negative, default=0.0,
                       help="largest tensor (MiB): sets the receivers' merge memory")
     plan.add_argument("--bucket-mb", type=_count, default=1024, help="bucket size (MiB)")

@@ -246,7 +246,8 @@ class CheckpointEngineManager:
             raise ValueError(
                 f"delta=True: backend {config.backend!r} does not move delta syncs{why}; its "
                 "engine does not set supports_delta. Set delta=False, or use a backend that "
-                "does (gloo, nccl, hccl, nixl, mooncake, kimi)"
+                "does (gloo, nccl, hccl, nixl, mooncake, kimi, gloo_sharded, nixl_sharded, "
+                "mooncake_sharded)"
             )
         if (config.rollout_quantization is not None
                 and getattr(self.backend_cls, "executes_layouts", False)):
