@@ -21,15 +21,10 @@ from weightsync_core.api.options import EngineOptions
 from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
 from weightsync_core.data.delta.codec import ShareDecoder, ShareEncoder
-from weightsync_core.data.shards.exchange import (
-    PieceDecoder,
-    PieceEncoder,
-    PlanExchange,
-    PointToPoint,
-    WholePieces,
-)
+from weightsync_core.data.shards.exchange import PlanExchange, PointToPoint
 from weightsync_core.data.shards.layout import Layout
 from weightsync_core.data.shards.patches import SliceDecoder, SliceEncoder
+from weightsync_core.data.shards.pieces import PieceDecoder, PieceEncoder, WholePieces
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     parse_weights_spec,

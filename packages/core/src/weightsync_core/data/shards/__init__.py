@@ -6,13 +6,9 @@ through a transport (see ``docs/sharded.md``)."""
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.exchange import (
     PieceCarrier,
-    PieceDecoder,
-    PieceEncoder,
     PlanExchange,
     PlanSender,
     PointToPoint,
-    WholePieces,
-    piece_capacity,
 )
 from weightsync_core.data.shards.experts import (
     MoEShape,
@@ -38,6 +34,12 @@ from weightsync_core.data.shards.one_sided import (
     RegisteredBuffer,
 )
 from weightsync_core.data.shards.patches import SliceDecoder, SliceEncoder
+from weightsync_core.data.shards.pieces import (
+    PieceDecoder,
+    PieceEncoder,
+    WholePieces,
+    piece_capacity,
+)
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     boxes_spec,

@@ -24,7 +24,7 @@ from weightsync_core.data.delta.codec import (
 )
 from weightsync_core.data.delta.patch import encode_patch
 from weightsync_core.data.shards.box import Box
-from weightsync_core.data.shards.exchange import WholePieces
+from weightsync_core.data.shards.pieces import WholePieces
 
 __all__ = ["SliceDecoder", "SliceEncoder"]
 
