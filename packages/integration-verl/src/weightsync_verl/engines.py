@@ -239,8 +239,7 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         """The weightsync engine's received tensors (with delta sync, whole tensors rebuilt
         from their patches), counted for :meth:`transfer_stats`."""
         self._stats = TransferStats()
-        received = self.delta_receiver.stream(self.engine.receive_weights(global_steps),
-                                              self._plan)
+        received = self.delta_receiver.received(self.engine, global_steps, self._plan)
         async for name, tensor in received:
             self._stats.num_tensors += 1
             self._stats.nbytes += tensor.numel() * tensor.element_size()
