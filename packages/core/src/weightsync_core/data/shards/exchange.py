@@ -36,7 +36,6 @@ __all__ = ["PieceCarrier", "PlanExchange", "PlanSender", "PointToPoint"]
 
 _IN_FLIGHT_BYTES = 256 << 20  # a sender waits for its sends once this much is posted
 _CHECKSUM = struct.Struct("<16sQQQ")  # the plan's digest, the piece's index, bytes, xxh3
-_LENGTH = struct.Struct("<Q")  # a patch's bytes, ahead of it (gloo messages only)
 
 
 
@@ -79,12 +78,9 @@ class PieceCarrier(Protocol):
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       tag: int) -> tuple[torch.Tensor | None, list[Work]]:
-        """Post the receives of the plan's ``index``-th piece: the tensor it lands in and
-        the receives, or ``(None, [])`` where its bytes are found once its checksum arrived
-        (:meth:`collect`).
-
-        Raises:
-            TransferError: its sender announced more bytes than the piece may take."""
+        """Post the receives of the plan's ``index``-th piece: the tensor it lands in (of
+        its capacity) and the receives, or ``(None, [])`` where its bytes are found once
+        its checksum arrived (:meth:`collect`)."""
         ...
 
     def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
@@ -103,9 +99,10 @@ class PieceCarrier(Protocol):
 
 
 class GlooCarrier:
-    """Pieces as gloo messages of at most the exchange's ``chunk_bytes`` each; a patch's
-    length travels ahead of it (checked against its sealed checksum, which says it
-    again)."""
+    """Pieces as gloo messages of at most the exchange's ``chunk_bytes`` each: a piece takes
+    as many as its capacity would (the last ones empty where it is shorter), each received
+    into its part of a buffer of that capacity (gloo takes a message shorter than its
+    buffer, never a longer one); its sealed checksum says how many bytes it was."""
 
     def messages(self, exchange: PlanExchange, nbytes: int) -> int:
         return exchange.chunks(nbytes)
@@ -114,37 +111,21 @@ class GlooCarrier:
                    data: torch.Tensor, tag: int) -> list[Work]:
         peer = exchange.actor_ranks + transfer.receiver
         receiver = f"rollout rank {transfer.receiver}"
-        works = []
-        if exchange.patches:
-            length = torch.frombuffer(bytearray(_LENGTH.pack(data.numel())), dtype=torch.uint8)
-            works.append(exchange.post(exchange.group.send, length, peer,
-                                       exchange.length_tag(index), receiver, "sending"))
-        for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
-            works.append(exchange.post(exchange.group.send,
-                                       data[start:start + exchange.chunk_bytes], peer, tag,
-                                       receiver, "sending"))
-            tag += 1
-        return works
+        step = exchange.chunk_bytes
+        return [exchange.post(exchange.group.send, data[message * step:(message + 1) * step],
+                              peer, tag + message, receiver, "sending")
+                for message in range(exchange.chunks(exchange.capacity(transfer)))]
 
     def receive_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       tag: int) -> tuple[torch.Tensor | None, list[Work]]:
         source, peer = exchange.source_rank(transfer), transfer.source
-        nbytes = exchange.piece_bytes(transfer)
-        if exchange.patches:
-            length = torch.empty(_LENGTH.size, dtype=torch.uint8)
-            exchange.wait(exchange.post(exchange.group.recv, length, source,
-                                        exchange.length_tag(index), peer, "receiving"),
-                          peer, "receiving")
-            (nbytes,) = _LENGTH.unpack(length.numpy().tobytes())
-            exchange.check_length(index, transfer, nbytes)
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        works = []
-        for start in range(0, max(data.numel(), 1), exchange.chunk_bytes):
-            works.append(exchange.post(exchange.group.recv,
-                                       data[start:start + exchange.chunk_bytes], source, tag,
-                                       peer, "receiving"))
-            tag += 1
-        return data, works
+        capacity = exchange.capacity(transfer)
+        data = torch.empty(capacity, dtype=torch.uint8)
+        step = exchange.chunk_bytes
+        return data, [exchange.post(exchange.group.recv,
+                                    data[message * step:(message + 1) * step], source,
+                                    tag + message, peer, "receiving")
+                      for message in range(exchange.chunks(capacity))]
 
     def forward_piece(self, exchange: PlanExchange, index: int, transfer: Transfer,
                       received: int, data: torch.Tensor, tag: int) -> list[Work]:
@@ -152,11 +133,10 @@ class GlooCarrier:
 
     def collect(self, exchange: PlanExchange, index: int, transfer: Transfer,
                 received: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-        """The bytes were received into ``received``."""
-        if received is None or received.numel() != nbytes:
-            raise exchange.corrupt(index, transfer, f"it came as {nbytes} bytes where "
-                                   f"{0 if received is None else received.numel()} arrived")
-        return received
+        """The first ``nbytes`` of the buffer the messages were received into."""
+        if received is None:
+            raise exchange.corrupt(index, transfer, "no buffer was posted for it")
+        return received[:nbytes]
 
 
 class PlanExchange:
@@ -198,7 +178,8 @@ class PlanExchange:
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
         self.patches = False
-        """Whether pieces travel as patches (set by :meth:`sender` and :meth:`receive`)."""
+        """Whether the pieces this process receives travel as patches (set by
+        :meth:`receive`): their lengths then vary up to their capacity."""
         self._frame_bytes = len(self.sealed_checksum(0, 0, 0))
         """Bytes of a sealed checksum frame (the same for every piece)."""
         self.timeout = timedelta(seconds=timeout)
@@ -215,7 +196,7 @@ class PlanExchange:
         tag = 0
         for transfer in self.plan.transfers:  # every process numbers the messages alike
             self._first_tag.append(tag)
-            tag += carrier.messages(self, self.capacity(transfer)) + 2  # + checksum, length
+            tag += carrier.messages(self, self.capacity(transfer)) + 1  # + its checksum
         self.free_tag = tag
 
     def piece_bytes(self, transfer: Transfer) -> int:
@@ -231,11 +212,6 @@ class PlanExchange:
         """The gloo tag of the plan's ``index``-th piece's sealed checksum."""
         return self._first_tag[index] + self.carrier.messages(
             self, self.capacity(self.plan.transfers[index]))
-
-    def length_tag(self, index: int) -> int:
-        """The gloo tag of the plan's ``index``-th piece's length, where a carrier sends
-        it ahead of a patch."""
-        return self.frame_tag(index) + 1
 
     def check_length(self, index: int, transfer: Transfer, nbytes: int) -> None:
         """Refuse a piece announced as ``nbytes`` long where it may not be: more than its
@@ -309,9 +285,7 @@ class PlanExchange:
                     raise ValueError(f"actor rank {rank}: the plan sends {transfer.box} of "
                                      f"tensor {name!r}, but its layout holds "
                                      f"{box if box is not None else 'none of it'}")
-        encoder = encoder or WholePieces()
-        self.patches = encoder.patches
-        return PlanSender(self, rank, held, mine, encoder)
+        return PlanSender(self, rank, held, mine, encoder or WholePieces())
 
     def receive(self, rank: int, needed: Layout, decoder: PieceDecoder | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
