@@ -231,3 +231,35 @@ def test_delta_is_refused_before_any_byte_moves_where_the_backend_cannot_move_it
     with pytest.raises(ValueError, match=r"backend 'naive' does not move delta syncs \(a "
                        "colocated engine moves no bytes\\)"):
         CheckpointEngineManager(config, actor_wg=None)
+
+
+class _WrittenForVerl:
+    """An engine written for verl: it knows nothing of weightsync's engine flags."""
+
+    def __init__(self, arrived):
+        self.arrived = arrived
+
+    def receive_weights(self, global_steps=None):
+        return _aiter(self.arrived)
+
+
+class _DecodesItsPieces(_WrittenForVerl):
+    decodes_own_pieces = True
+    share_decoder = None
+
+
+def test_what_an_engine_receives_is_decoded_by_the_receiver_or_by_the_engine_itself():
+    """An engine without the flag (one written for verl) gets its stream decoded by the
+    receiver; one that decodes its own pieces gets the receiver and plan to decode with, and
+    its stream as it is."""
+    sender, receiver = DeltaSender(), DeltaReceiver()
+    weights = {"w": torch.arange(6, dtype=torch.float32)}
+    full = DeltaPlan("v1")
+    sent = asyncio.run(_collect(sender.encode(_aiter(weights.items()), full, None)))
+    received = asyncio.run(_collect(receiver.received(_WrittenForVerl(sent), 1, full)))
+    assert torch.equal(received[0][1], weights["w"]) and receiver.version == "v1"
+    own = _DecodesItsPieces([("w", torch.zeros(1))])
+    patch = DeltaPlan("v2", "v1")
+    assert asyncio.run(_collect(receiver.received(own, 2, patch)))[0][0] == "w"
+    assert own.share_decoder is not None and own.share_decoder.receiver is receiver
+    assert own.share_decoder.receives_patches and own.share_decoder.plan == patch

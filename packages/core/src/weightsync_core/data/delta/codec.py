@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import torch
 
@@ -55,15 +55,20 @@ class ShareEncoder:
         return self.sender.stream(share, self.plan, self.rollout_dtype, self.sending)
 
 
-class ShareDecoding(Protocol):
-    """What :meth:`DeltaReceiver.received` needs of an engine (a
-    :class:`~weightsync_core.api.engine.CheckpointEngine`)."""
-
-    decodes_own_pieces: ClassVar[bool]
-    share_decoder: OwnShareDecoder | None
+class ReceivingEngine(Protocol):
+    """What :meth:`DeltaReceiver.received` needs of an engine: a
+    :class:`~weightsync_core.api.engine.CheckpointEngine`, or one written for verl (which
+    decodes nothing itself)."""
 
     def receive_weights(self, global_steps: int | None = None
                         ) -> AsyncIterator[tuple[str, torch.Tensor]]: ...
+
+
+class ShareDecoding(ReceivingEngine, Protocol):
+    """An engine that decodes the pieces it receives itself (``decodes_own_pieces``)."""
+
+    decodes_own_pieces: ClassVar[bool]
+    share_decoder: OwnShareDecoder | None
 
 
 @dataclass(frozen=True)
@@ -347,16 +352,16 @@ class DeltaReceiver(_Versioned):
             self.baselines[name] = self.baselines[name].clone()
         self._in_place.clear()
 
-    def received(self, engine: ShareDecoding, global_steps: int | None,
+    def received(self, engine: ReceivingEngine, global_steps: int | None,
                  plan: DeltaPlan | None, in_place: Mapping[str, torch.Tensor] | None = None,
                  ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """What a receiving process hands its server: :meth:`stream` of what ``engine``
         receives, or, for an engine that decodes the pieces it receives itself
         (``decodes_own_pieces``), what it receives, with ``engine.share_decoder`` set to
         decode them against this receiver's copy."""
-        if not engine.decodes_own_pieces:
+        if not getattr(engine, "decodes_own_pieces", False):
             return self.stream(engine.receive_weights(global_steps), plan, in_place)
-        engine.share_decoder = ShareDecoder(self, plan)
+        cast(ShareDecoding, engine).share_decoder = ShareDecoder(self, plan)
         return engine.receive_weights(global_steps)
 
     def stream(self, received: AsyncIterator[tuple[str, torch.Tensor]],
