@@ -177,9 +177,6 @@ class PlanExchange:
         self.sealer = sealer
         self.chunk_bytes = chunk_bytes
         self.checksum = checksum
-        self.patches = False
-        """Whether the pieces this process receives travel as patches (set by
-        :meth:`receive`): their lengths then vary up to their capacity."""
         self._frame_bytes = len(self.sealed_checksum(0, 0, 0))
         """Bytes of a sealed checksum frame (the same for every piece)."""
         self.timeout = timedelta(seconds=timeout)
@@ -213,18 +210,19 @@ class PlanExchange:
         return self._first_tag[index] + self.carrier.messages(
             self, self.capacity(self.plan.transfers[index]))
 
-    def check_length(self, index: int, transfer: Transfer, nbytes: int) -> None:
+    def check_length(self, index: int, transfer: Transfer, nbytes: int, patches: bool
+                     ) -> None:
         """Refuse a piece announced as ``nbytes`` long where it may not be: more than its
-        capacity, or, for a whole piece, other than its bytes.
+        capacity, or, unless pieces travel as ``patches``, other than its bytes.
 
         Raises:
             TransferError: naming the piece and its sender.
         """
         whole = self.piece_bytes(transfer)
-        if nbytes > self.capacity(transfer) or (not self.patches and nbytes != whole):
+        if nbytes > self.capacity(transfer) or (not patches and nbytes != whole):
             raise self.corrupt(index, transfer, f"its sender announced {nbytes} bytes, where "
-                               f"it takes {'at most ' if self.patches else ''}"
-                               f"{self.capacity(transfer) if self.patches else whole}")
+                               f"it takes {'at most ' if patches else ''}"
+                               f"{self.capacity(transfer) if patches else whole}")
 
     def corrupt(self, index: int, transfer: Transfer, why: str) -> TransferError:
         """The error of the plan's ``index``-th piece arriving malformed (``why``)."""
@@ -303,7 +301,6 @@ class PlanExchange:
         self._check_delivers(rank, needed, mine)
         forwards = self._forwards(rank)
         decoder = decoder or WholePieces()
-        self.patches = decoder.patches
         pending: list[tuple[Work, Transfer]] = []
         for name in self.shapes:
             want = needed.boxes.get(name)
@@ -311,7 +308,7 @@ class PlanExchange:
                 continue
             out = decoder.begin(name, want.shape, self.dtypes[name])
             for index, transfer in mine.get(name, []):
-                piece, checksum = self._receive_piece(index, transfer)
+                piece, checksum = self._receive_piece(index, transfer, decoder.patches)
                 for relayed_index, relayed in forwards.get((name, transfer.box), []):
                     pending.extend(self._forward(relayed_index, relayed, index, piece, checksum))
                 decoder.place(name, out, transfer.box.within(want), piece)
@@ -347,9 +344,10 @@ class PlanExchange:
                                "relaying"))
         return [(work, transfer) for work in works]
 
-    def _receive_piece(self, index: int, transfer: Transfer) -> tuple[torch.Tensor, int]:
-        """The plan's ``index``-th piece (its bytes as they travelled), checked, and its
-        checksum."""
+    def _receive_piece(self, index: int, transfer: Transfer, patches: bool
+                       ) -> tuple[torch.Tensor, int]:
+        """The plan's ``index``-th piece (its bytes as they travelled: a patch, where
+        ``patches``), checked, and its checksum."""
         peer = transfer.source
         received, works = self.carrier.receive_piece(self, index, transfer,
                                                      self.first_tag(index))
@@ -369,7 +367,7 @@ class PlanExchange:
         if plan.hex() != self.plan.digest or piece != index:
             raise VerificationError(f"{where} is corrupt: its checksum is another piece's",
                                     tensors=[transfer.name], source=peer)
-        self.check_length(index, transfer, nbytes)
+        self.check_length(index, transfer, nbytes, patches)
         data = self.carrier.collect(self, index, transfer, received, nbytes)
         if self.checksum(data) != checksum:
             raise VerificationError(f"{where} is corrupt: it differs from its sender's checksum",

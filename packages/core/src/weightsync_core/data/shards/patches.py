@@ -46,11 +46,6 @@ class SliceEncoder:
         self.stats = sender.begin(plan, who)
         self.seen: set[str] = set()
 
-    @property
-    def patches(self) -> bool:
-        """Whether the pieces travel as patches."""
-        return self.plan.is_delta
-
     def pieces(self, name: str, shard: torch.Tensor, boxes: Sequence[Box]
                ) -> list[torch.Tensor]:
         """Each of ``boxes`` of ``shard`` as it travels (a box sent to several workers is

@@ -26,11 +26,6 @@ class PieceEncoder(Protocol):
     """How an actor rank turns its shard of a tensor into the bytes of the pieces it sends
     (:class:`WholePieces`: the pieces themselves; a delta sync's: patches of them)."""
 
-    @property
-    def patches(self) -> bool:
-        """Whether pieces travel as patches, whose lengths only their sender knows."""
-        ...
-
     def pieces(self, name: str, shard: torch.Tensor, boxes: Sequence[Box]
                ) -> list[torch.Tensor]:
         """The bytes (``uint8``) of each of ``boxes`` (in ``shard``'s coordinates) of
