@@ -4,7 +4,11 @@ import importlib.util
 
 import pytest
 
-from weightsync_core.testing import CheckpointEngineConformanceTests, DeltaSyncConformanceTests
+from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
+    CheckpointEngineConformanceTests,
+    DeltaSyncConformanceTests,
+)
 
 
 def _npus() -> int:
@@ -17,7 +21,8 @@ def _npus() -> int:
 
 
 @pytest.mark.skipif(_npus() < 2, reason="needs torch_npu and 2+ Ascend NPUs")
-class TestHCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
+class TestHCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
+                          AdapterSyncConformanceTests):
     backend = "hccl"
     actor_world_size = 1
     replica_sizes = (1,)

@@ -7,6 +7,7 @@ import ray
 from weightsync_core import SyncStageError, passes_in
 from weightsync_core.spi import from_wire
 from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
     CheckpointEngineConformanceTests,
     ConnectionStormTests,
     DeltaSyncConformanceTests,
@@ -16,7 +17,7 @@ from weightsync_kimi.topology import KimiMetadata
 
 
 class TestKimiConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
-                          ConnectionStormTests):
+                          AdapterSyncConformanceTests, ConnectionStormTests):
     backend = "kimi"
     engine_kwargs = {"protocol": "tcp", "collective": "gloo"}  # noqa: RUF012
     actor_world_size = 2

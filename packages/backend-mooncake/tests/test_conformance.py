@@ -1,6 +1,7 @@
 """The core conformance suite for ``mooncake`` over TCP between real Ray actor processes."""
 
 from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
     CheckpointEngineConformanceTests,
     ConnectionStormTests,
     ControlFrameReplayTests,
@@ -11,7 +12,7 @@ from weightsync_core.testing import (
 
 class TestMooncakeConformance(
     CheckpointEngineConformanceTests, ControlFrameReplayTests, DeltaSyncConformanceTests,
-    ConnectionStormTests,
+    AdapterSyncConformanceTests, ConnectionStormTests,
 ):
     """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP;
     includes a tensor 5x the bucket size (chunked, not refused)."""

@@ -7,6 +7,7 @@ import torch
 
 from weightsync_core.spi import BucketPacker, BucketUnpacker, device_checksum
 from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
     CheckpointEngineConformanceTests,
     DeltaSyncConformanceTests,
     digests,
@@ -63,7 +64,8 @@ def test_delta_patch_of_a_gpu_tensor_against_a_host_copy_is_bit_exact():
 
 
 @two_gpus
-class TestNCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests):
+class TestNCCLConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
+                          AdapterSyncConformanceTests):
     backend = "nccl"
     actor_world_size = 1
     replica_sizes = (1,)

@@ -2,6 +2,7 @@
 
 from weightsync_core import passes_in
 from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
     CheckpointEngineConformanceTests,
     ConnectionStormTests,
     ControlFrameReplayTests,
@@ -13,7 +14,7 @@ from weightsync_core.testing.harness import SyncHarness
 
 class TestNixlConformance(
     CheckpointEngineConformanceTests, ControlFrameReplayTests, DeltaSyncConformanceTests,
-    ConnectionStormTests,
+    AdapterSyncConformanceTests, ConnectionStormTests,
 ):
     """Actor rank 0 -> 1-worker replica -> 2-worker replica (3 rollout workers), over TCP."""
 

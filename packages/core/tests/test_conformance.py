@@ -4,6 +4,7 @@ import pytest
 
 from weightsync_core.api.passes import passes_in
 from weightsync_core.testing import (
+    AdapterSyncConformanceTests,
     CheckpointEngineConformanceTests,
     ColocatedEngineConformanceTests,
     ConnectionStormTests,
@@ -14,7 +15,7 @@ from weightsync_core.testing.harness import SyncHarness
 
 
 class TestGlooConformance(CheckpointEngineConformanceTests, DeltaSyncConformanceTests,
-                          ConnectionStormTests):
+                          AdapterSyncConformanceTests, ConnectionStormTests):
     backend = "gloo"
 
     def test_a_sync_reports_the_time_of_each_pass_over_the_bytes(self, harness: SyncHarness):

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from weightsync_core.api.engine import CheckpointEngine
 
 __all__ = [
+    "ADAPTER_CHECK",
+    "ADAPTER_KEEP",
+    "ADAPTER_SPEC",
     "BEGIN_SYNC",
     "BUILT_SETTINGS",
     "DELTA_HELD",
@@ -62,6 +65,23 @@ with (:data:`BUILT_SETTINGS`), and the engine prepares (``prepare``); answered w
 (``authenticate``, ``locate``, ``prepare``: :func:`~weightsync_core.api.errors.failed_stage`).
 The manager makes it where every process of the sync answered :data:`BUILT_SETTINGS` in an
 earlier sync (weightsync's own workers), else the three stages one after another."""
+
+ADAPTER_SPEC = "adapter_spec"
+"""The call an adapter sync makes on every actor rank (through its worker's
+``execute_checkpoint_engine``, with ``name``) before any byte moves: the rank's
+:class:`~weightsync_core.data.adapters.AdapterSpec` of that adapter, as plain data."""
+
+ADAPTER_CHECK = "adapter_check"
+"""The call an adapter sync makes on every rollout worker (with ``adapter``: the actor's spec
+as plain data, and ``allow_change``) before any byte moves: the worker refuses, naming both
+sides, a spec that differs from the one it holds versions of, or that its server cannot
+serve."""
+
+ADAPTER_KEEP = "adapter_keep"
+"""The call that ends an adapter sync on every rollout worker of its replicas (with ``name``
+and ``versions``): the worker keeps exactly those versions of the adapter (the manager's
+ledger: after a success the newest ``config.adapter_versions``, after a failure what each
+replica served before) and has its server drop the others."""
 
 DELTA_HELD = "delta_held"
 """The call a delta-enabled sync makes on every process (through its worker's
@@ -157,6 +177,10 @@ class CheckpointEngineConfig:
             the others goes on; after a failure, the replicas whose stages completed serve
             the new version and the others the one they served (fresher, not uniform).
             Callers of ``stage_weights``/``commit_weights`` schedule the switch themselves.
+        adapter_versions: how many versions of each LoRA adapter every replica keeps
+            (``update_adapter``: TRL's ``max_staleness + 1``); a request may name any of
+            them. A sync beyond it drops the oldest, once every worker of the replica took
+            the new one (a server defers dropping a version that requests in flight use).
     """
 
     backend: Annotated[str, Meta(min_length=1, description="a non-empty string")] = "naive"
@@ -181,6 +205,8 @@ class CheckpointEngineConfig:
     staging: Literal["auto", "never"] = "auto"
     pause_mode: Literal["keep", "drain", "abort"] = "keep"
     commit: Literal["together", "each"] = "together"
+    adapter_versions: Annotated[int, Meta(
+        ge=1, description="an integer >= 1 (versions of each adapter a replica keeps)")] = 2
 
     def __post_init__(self) -> None:
         from weightsync_core.api.plugins import trusted_module_prefixes
@@ -305,7 +331,7 @@ class CheckpointEngineConfig:
         sync's delta plan and hands it to every process; a process never reads its own),
         ``sync_timeout_seconds`` (a deadline, the manager's bounds the sync), ``staging``,
         ``pause_mode`` and ``commit`` (the manager alone decides each sync's phases and
-        pauses),
+        pauses), ``adapter_versions`` (the manager says which versions each worker keeps),
         ``custom_backend_module`` (how the backend is found; the backend is compared) and
         every other engine option (see :data:`TRAVEL_OPTIONS`).
 

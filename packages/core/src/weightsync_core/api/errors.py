@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 
 __all__ = [
+    "AdapterMismatchError",
     "BackendLoadError",
     "BackendNotFoundError",
     "BackendNotInstalledError",
@@ -173,6 +174,12 @@ class VerificationError(WeightSyncError):
 class ManifestChangedError(VerificationError):
     """The weights' names, shapes or dtypes differ from the previous sync's, and the caller
     did not pass ``allow_manifest_change=True``."""
+
+
+class AdapterMismatchError(WeightSyncError, ValueError):
+    """An adapter sync refused before any byte moved: its two ends describe the adapter
+    differently (rank, alpha, target modules), a server cannot serve it, or a tensor does not
+    fit its description."""
 
 
 class EmptyWeightsError(WeightSyncError, ValueError):

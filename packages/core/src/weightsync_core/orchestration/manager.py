@@ -17,21 +17,31 @@ from typing import Any, ClassVar, TypeVar, cast
 import ray
 
 from weightsync_core.api.config import (
+    ADAPTER_CHECK,
+    ADAPTER_KEEP,
+    ADAPTER_SPEC,
     BEGIN_SYNC,
     BUILT_SETTINGS,
     DELTA_HELD,
     CheckpointEngineConfig,
 )
 from weightsync_core.api.engine import CheckpointEngineWithCache
-from weightsync_core.api.errors import MetadataError, SyncStageError, WeightSyncError
+from weightsync_core.api.errors import (
+    AdapterMismatchError,
+    MetadataError,
+    SyncStageError,
+    WeightSyncError,
+)
 from weightsync_core.api.passes import pass_metrics
 from weightsync_core.api.plugins import load_custom_backend_module
 from weightsync_core.api.protocols import CheckpointEngineWorkerGroup, RolloutReplica
 from weightsync_core.api.registry import CheckpointEngineRegistry
 from weightsync_core.api.session_key import new_session_key
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.delta import DeltaPlan
 from weightsync_core.data.sync_layout import SyncLayout
 from weightsync_core.net.blocking import retrieve_exception
+from weightsync_core.orchestration.adapter_ledger import AdapterLedger
 from weightsync_core.orchestration.blame import (
     describe_exception,
     metadata_culprit,
@@ -150,6 +160,13 @@ class _SyncProcesses:
             return list(zip(self.names, refs, strict=True))
         return calls
 
+    def per_rank(self, kwargs: dict[str, Any]) -> tuple[dict[str, list[Any]],
+                                                        dict[str, list[Any]]]:
+        """``kwargs`` as the same per-rank keyword arguments for every actor rank and every
+        rollout worker (:meth:`engine_calls`' two sides)."""
+        return ({key: [value] * self.layout.actor_ranks for key, value in kwargs.items()},
+                {key: [value] * self.layout.rollout_world_size for key, value in kwargs.items()})
+
     def send_calls(self, global_steps: int | None, options: dict[str, Any],
                    staged: bool = False) -> Callable[[], Calls]:
         """Each process's side of the transfer: the actor ranks send, the rollout workers
@@ -178,11 +195,13 @@ class _SyncProcesses:
 @dataclass
 class _Round:
     """One transfer of a sync: to ``replicas``, under delta ``plan`` (None: not
-    delta-enabled); ``sent`` and ``loaded`` are what the senders and the rollout workers
-    reported once it ran."""
+    delta-enabled), of the weights or of an ``adapter``; ``sent`` and ``loaded`` are what
+    the senders and the rollout workers reported once it ran."""
 
     replicas: list[RolloutReplica]
     plan: DeltaPlan | None
+    adapter: AdapterSpec | None = None
+    """The LoRA adapter it moves (None: the weights)."""
     sent: list[dict[str, Any]] = field(default_factory=list)
     loaded: list[dict[str, Any]] = field(default_factory=list)
 
@@ -261,6 +280,10 @@ class CheckpointEngineManager:
         self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
         """Where ``config.delta`` is set: when a sync must be whole for everyone (see
         :meth:`DeltaLedger.rounds`; who holds which version, the processes say)."""
+        self.adapter_ledger = AdapterLedger(config.adapter_versions, config.delta,
+                                            config.full_verify_every)
+        """Which versions of each LoRA adapter every replica serves (:meth:`update_adapter`),
+        and each adapter's delta ledger."""
         self.travel_settings = config.travel_settings(self.backend_cls)
         """The settings of ``config`` that change what travels
         (:meth:`CheckpointEngineConfig.travel_settings`): before any byte of a sync moves,
@@ -280,6 +303,9 @@ class CheckpointEngineManager:
         self._staged: list[RolloutReplica] = []
         """The replicas whose workers hold the stage of the last :meth:`stage_weights`, until
         it is committed or discarded."""
+        self._cache_holds_adapter = False
+        """Whether the last sync was an adapter sync (an engine with a cache then caches
+        the adapter, not the weights, until the next :meth:`update_weights`)."""
         self._commits_as_staged: CommitsAsStaged | None = None
         """During an :meth:`update_weights` with ``config.commit="each"``: the commits it
         starts as each replica's stage completes."""
@@ -319,6 +345,7 @@ class CheckpointEngineManager:
                 raise ValueError(f"replica {replica!r} is not managed by this manager")
             self.replicas = [known for known in self.replicas if known is not replica]
             self.stale_replicas = [known for known in self.stale_replicas if known is not replica]
+            self.adapter_ledger.forget(replica)
         self._forget_processes()  # rollout ranks are renumbered
 
     def _forget_processes(self) -> None:
@@ -747,11 +774,144 @@ class CheckpointEngineManager:
                 f"backend {self.backend!r} keeps no cache of the latest weights on the actor "
                 "side; new replicas get the weights from the next update_weights"
             )
+        if self._cache_holds_adapter:
+            raise TypeError(
+                f"backend {self.backend!r}'s cache holds the adapter of the last "
+                "update_adapter, not the weights: load new replicas from the next "
+                "update_weights")
         chosen = list(replicas)
         for replica in chosen:
             if not any(replica is known for known in self.replicas):
                 raise ValueError(f"replica {replica!r} is not managed; add_replicas() first")
         return await self._sync(chosen, global_steps, True, False)
+
+    def update_adapter_sync(self, global_steps: int, name: str = "default", *,
+                            allow_change: bool = False) -> dict[str, float]:
+        """:meth:`update_adapter` for synchronous callers."""
+        return run_sync(self._update_adapter(global_steps, name, allow_change))
+
+    @awaitable_or_blocking
+    async def update_adapter(self, global_steps: int, name: str = "default", *,
+                             allow_change: bool = False) -> dict[str, float]:
+        """Move version ``global_steps`` of the actor's LoRA adapter ``name`` (only its
+        ``lora_A``/``lora_B`` tensors: :meth:`ActorCheckpointEngineMixin.iter_adapter_weights
+        <weightsync_core.worker.ActorCheckpointEngineMixin.iter_adapter_weights>`) to every
+        replica, beside the versions each serves; no replica is paused, and the base weights
+        are not touched (:meth:`update_weights` moves them, once or when asked). Awaitable,
+        or run to the end from synchronous code, like :meth:`update_weights`.
+
+        Before any byte moves, every actor rank's spec of the adapter (rank, alpha, target
+        modules) must agree, and every rollout worker must take it: one that holds versions
+        of a differently described adapter refuses it (unless ``allow_change``), as does
+        a server that cannot serve it; the refusal names both sides. Each tensor is checked
+        against the spec as it arrives; a worker's server adds the version only once it is
+        whole (:class:`~weightsync_core.worker.adapters.RolloutAdapters`). After the sync,
+        every replica keeps its newest ``config.adapter_versions`` versions
+        (:attr:`adapter_ledger`, :meth:`adapter_status`); a failed sync leaves each serving
+        the versions it served. With ``config.delta``, an adapter sync sends patches
+        against the version every worker holds, as :meth:`update_weights` does.
+
+        Metrics as :meth:`update_weights` (``staged`` 0), and ``adapter_versions`` (the
+        versions each replica now keeps).
+
+        Raises:
+            TypeError: the backend hands weights over inside the actor's process (``naive``)
+                or delivers layouts (the sharded backends): adapter syncs through them are
+                not built.
+            ValueError: ``global_steps`` is not an integer (a request names the version).
+            SyncStageError: as :meth:`update_weights`; stage ``check_adapter`` for a refused
+                spec (:class:`~weightsync_core.api.errors.AdapterMismatchError`'s message).
+        """
+        return await self._update_adapter(global_steps, name, allow_change)
+
+    async def _update_adapter(self, global_steps: int, name: str, allow_change: bool
+                              ) -> dict[str, float]:
+        if self.backend_cls.is_colocated or getattr(self.backend_cls, "executes_layouts", False):
+            raise TypeError(
+                f"backend {self.backend!r} "
+                + ("hands the weights over inside the actor's process"
+                   if self.backend_cls.is_colocated else "delivers each worker its layout")
+                + ": adapter syncs through it are not built; use a full-copy backend (gloo, "
+                "nccl, hccl, nixl, mooncake, kimi)")
+        if isinstance(global_steps, bool) or not isinstance(global_steps, int):
+            raise ValueError(f"update_adapter: global_steps is the version requests name, an "
+                             f"integer; got {global_steps!r}")
+        replicas = list(self.replicas)
+        self._cache_holds_adapter = True  # from its first byte on, whatever the outcome
+        metrics = await self._sync(replicas, global_steps, False, allow_change, adapter=name)
+        kept = [self.adapter_ledger.kept_after(replica, name, global_steps)
+                for replica in replicas]
+        for replica, versions in zip(replicas, kept, strict=True):
+            self.adapter_ledger.record(replica, name, versions)
+        stages = self._stages()
+        processes = self._processes(replicas)
+        stages.peers = processes.peers
+        per_worker = [versions for replica, versions in zip(replicas, kept, strict=True)
+                      for _ in replica.workers]
+        await stages.run("keep_adapter", lambda: list(zip(
+            processes.rollout_names, processes.rollout.execute_checkpoint_engine(
+                ADAPTER_KEEP, name=[name] * len(per_worker), versions=per_worker),
+            strict=True)))
+        metrics["weightsync/adapter_versions"] = float(min(map(len, kept), default=0))
+        metrics["weightsync/seconds/keep_adapter"] = stages.elapsed()
+        return {**metrics, "weightsync/staged": 0.0}
+
+    async def _check_adapter(self, stages: SyncStages, replicas: list[RolloutReplica],
+                             name: str, allow_change: bool) -> AdapterSpec:
+        """Stage ``check_adapter`` of :meth:`update_adapter`: every actor rank's spec of
+        adapter ``name`` (which must agree), then every rollout worker's check of it.
+        Returns the spec.
+
+        Raises:
+            SyncStageError: naming the process that differs or refuses, and why.
+        """
+        processes = self._processes(replicas)
+        stages.peers = processes.peers
+        actor_names = processes.layout.actor_names
+        answers = await stages.run("check_adapter", lambda: list(zip(
+            actor_names, processes.actor.execute_checkpoint_engine(
+                ADAPTER_SPEC, name=[name] * len(actor_names)), strict=True)))
+        specs: list[AdapterSpec] = []
+        for process, answer in zip(actor_names, answers, strict=True):
+            try:
+                specs.append(AdapterSpec.from_dict(answer))
+            except (TypeError, ValueError) as error:
+                raise stages.blame("check_adapter", process,
+                                   f"answered {ADAPTER_SPEC} with {answer!r}: {error}") from None
+        for process, spec in zip(actor_names[1:], specs[1:], strict=True):
+            try:
+                specs[0].check_same(spec, actor_names[0], process)
+            except AdapterMismatchError as error:
+                raise stages.blame("check_adapter", process, str(error)) from None
+        kwargs = {"adapter": specs[0].as_dict(), "allow_change": allow_change}
+        await stages.run("check_adapter", lambda: list(zip(
+            processes.rollout_names, processes.rollout.execute_checkpoint_engine(
+                ADAPTER_CHECK, **processes.per_rank(kwargs)[1]), strict=True)))
+        return specs[0]
+
+    async def _recover_adapter(self, error: SyncStageError, replicas: list[RolloutReplica],
+                               name: str) -> None:
+        """After a failed :meth:`update_adapter`: abort every engine of the sync, and have
+        every worker keep exactly the versions of adapter ``name`` its replica served (a
+        worker that took the new version drops it); no replica was paused."""
+        every = [worker for replica in replicas for worker in replica.workers]
+        per_worker = [self.adapter_ledger.held(replica, name)
+                      for replica in replicas for _ in replica.workers]
+        cleanup = [*_abort_calls(lambda: self.actor_wg, "actor_wg"),
+                   *_abort_calls(lambda: self.rollout_group(every), "the rollout workers")]
+        if every:
+            cleanup += self.rollout_group(every).execute_checkpoint_engine(
+                ADAPTER_KEEP, name=[name] * len(every), versions=per_worker)
+        await self._finish_cleanup(cleanup)
+        error.args = (f"{error.args[0]}. Every replica serves the versions of adapter "
+                      f"{name!r} it served, not paused.",)
+
+    def adapter_status(self) -> dict[str, dict[str, list[int]]]:
+        """Per replica (``"replica 0"``, ...): the versions of each LoRA adapter it serves,
+        oldest first (:attr:`adapter_ledger`); a request may name any of them."""
+        return self.adapter_ledger.status(
+            [(self._replica_name(replica, index), replica)
+             for index, replica in enumerate(self.replicas)])
 
     def _stages(self) -> SyncStages:
         """Stages under one deadline of ``sync_timeout_seconds`` from now."""
@@ -759,19 +919,28 @@ class CheckpointEngineManager:
 
     async def _sync(
         self, replicas: list[RolloutReplica], global_steps: int | None, from_cache: bool,
-        allow_manifest_change: bool, staged: bool = False,
+        allow_manifest_change: bool, staged: bool = False, adapter: str | None = None,
     ) -> dict[str, float]:
         """One sync to ``replicas``: pause them, move the weights (in one round, or, in a
         delta sync where only some replicas hold the actor side's version, a round of
         patches to those and one of whole tensors to the rest), resume them; returns the
         metrics. After a failure, :meth:`_recover` cleans up and the stage's error is raised.
         ``staged``: phase 1 of a staged sync, into the workers' stages, nothing paused (a
-        failure discards every stage: :meth:`_recover_stage`)."""
+        failure discards every stage: :meth:`_recover_stage`). ``adapter``: a sync of that
+        LoRA adapter (:meth:`update_adapter`), nothing paused (a failure leaves every
+        replica serving the versions it served: :meth:`_recover_adapter`)."""
         stages = self._stages()
         await self._settle_cleanup(self.config.sync_timeout_seconds / 2)
         # a colocated engine (naive) hands the weights over inside each actor process, which
         # also serves generation: as in verl, the replicas are not paused around it
-        paused = replicas if not (self.backend_cls.is_colocated or staged) else []
+        paused = (replicas if not (self.backend_cls.is_colocated or staged or adapter)
+                  else [])
+        if not (adapter or from_cache):
+            self._cache_holds_adapter = False
+        ledger = (self.delta_ledger if adapter is None
+                  else self.adapter_ledger.delta_ledger(adapter))
+        if from_cache:
+            ledger = None  # sends nothing: the actor side's copy is untouched
         rounds: list[_Round] = []
         done: list[_Round] = []
         try:
@@ -779,19 +948,22 @@ class CheckpointEngineManager:
                              members=self._replica_workers)
             await stages.run("release_kv_cache", self._replica_calls(paused, "release_kv_cache"),
                              members=self._replica_workers)
-            rounds = await self._rounds(stages, replicas, from_cache, allow_manifest_change)
+            spec = (None if adapter is None else
+                    await self._check_adapter(stages, replicas, adapter, allow_manifest_change))
+            rounds = await self._rounds(stages, replicas, ledger, allow_manifest_change, spec)
             for round_ in rounds:
                 await self._move(stages, round_, global_steps, from_cache,
                                  allow_manifest_change, mixed=len(rounds) > 1, staged=staged)
                 done.append(round_)
         except BaseException as exc:
-            if self.delta_ledger is not None and not from_cache:
-                # a load from the cache sends nothing: the actor side's copy is untouched,
-                # and the workers that loaded forget theirs (they report none next sync)
-                self.delta_ledger.failed()
+            if ledger is not None:
+                # (a load from the cache sends nothing: the actor side's copy is untouched,
+                # and the workers that loaded forget theirs: they report none next sync)
+                ledger.failed()
             error = exc if isinstance(exc, SyncStageError) else stages.error(exc)
             in_flight = rounds[len(done)].replicas if len(done) < len(rounds) else replicas
             recovery = (self._recover_stage(error, replicas) if staged else
+                        self._recover_adapter(error, replicas, adapter) if adapter else
                         self._recover(error, replicas, in_flight))
             await asyncio.shield(recovery)
             if error is exc or isinstance(exc, asyncio.CancelledError):
@@ -799,45 +971,47 @@ class CheckpointEngineManager:
             raise error from exc
         if staged:
             self._staged = list(replicas)
-        else:
+        elif not adapter:
             self.stale_replicas = [
                 stale for stale in self.stale_replicas if not any(stale is r for r in replicas)
             ]
-        if self.delta_ledger is not None and not from_cache:
-            self.delta_ledger.succeeded(
-                (round_.replicas, round_.plan) for round_ in rounds if round_.plan)
+        if ledger is not None:
+            ledger.succeeded((round_.replicas, round_.plan) for round_ in rounds if round_.plan)
         await stages.run("resume_kv_cache", self._replica_calls(paused, "resume_kv_cache"),
                          min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
         await stages.run("resume_generation", self._replica_calls(paused, "resume_generation"),
                          min_seconds=_CLEANUP_SECONDS, members=self._replica_workers)
         metrics = self._sync_metrics(stages, rounds, len(replicas),
                                      sharded=self.backend_cls.executes_layouts)
-        if self.delta_ledger is not None and not from_cache:
+        if ledger is not None:
             metrics.update(_delta_metrics(rounds, self.backend_cls.encodes_own_share))
         return metrics
 
     async def _rounds(self, stages: SyncStages, replicas: list[RolloutReplica],
-                      from_cache: bool, allow_manifest_change: bool) -> list[_Round]:
-        """How this sync moves the weights: one round to every replica, or, in a delta sync
-        where only some hold the actor side's version, patches to those first, then whole
-        tensors to the rest (:meth:`DeltaLedger.rounds`, from what the processes report
-        holding: :meth:`_held_versions`)."""
-        if self.delta_ledger is None or from_cache:
-            return [_Round(replicas, None)]
-        actor_version, held = await self._held_versions(stages, replicas)
-        return [_Round(group, plan) for group, plan in self.delta_ledger.rounds(
+                      ledger: DeltaLedger | None, allow_manifest_change: bool,
+                      adapter: AdapterSpec | None) -> list[_Round]:
+        """How this sync moves the weights (or ``adapter``): one round to every replica, or,
+        in a delta sync (``ledger``) where only some hold the actor side's version, patches
+        to those first, then whole tensors to the rest (:meth:`DeltaLedger.rounds`, from
+        what the processes report holding: :meth:`_held_versions`)."""
+        if ledger is None:
+            return [_Round(replicas, None, adapter)]
+        actor_version, held = await self._held_versions(stages, replicas, adapter)
+        return [_Round(group, plan, adapter) for group, plan in ledger.rounds(
             replicas, actor_version, held, force_full=allow_manifest_change)]
 
-    async def _held_versions(self, stages: SyncStages, replicas: list[RolloutReplica]
+    async def _held_versions(self, stages: SyncStages, replicas: list[RolloutReplica],
+                             adapter: AdapterSpec | None = None,
                              ) -> tuple[str | None, list[list[str | None]]]:
         """Ask every actor rank and every worker of ``replicas``, in stage ``locate``, which
-        delta version it holds (:data:`~weightsync_core.api.config.DELTA_HELD`); a process that
-        cannot say holds none. Returns actor rank 0's version (the rank that sends, whatever
-        else does: :meth:`_fall_back_where_senders_lack_the_base` checks the others once
-        their roles are known) and, per replica, its workers' versions."""
+        delta version it holds (:data:`~weightsync_core.api.config.DELTA_HELD`; of
+        ``adapter`` where given); a process that cannot say holds none. Returns actor rank
+        0's version (the rank that sends, whatever else does:
+        :meth:`_fall_back_where_senders_lack_the_base` checks the others once their roles
+        are known) and, per replica, its workers' versions."""
         processes = self._processes(replicas)
         stages.peers = processes.peers
-        held = processes.engine_calls(DELTA_HELD)
+        held = processes.engine_calls(DELTA_HELD, *processes.per_rank(_held_of(adapter)))
         answers = await stages.run("locate", lambda: [
             (name, _answer_or_none(call, DELTA_HELD)) for name, call in held()])
         versions = [_held_version(answer) for answer in answers]
@@ -860,9 +1034,11 @@ class CheckpointEngineManager:
         if plan is None or not plan.is_delta:
             return
         names = processes.layout.actor_names
+        kwargs = processes.per_rank(_held_of(round_.adapter))[0]
         answers = await stages.run("init_process_group", lambda: [
             (name, _answer_or_none(ref, DELTA_HELD)) for name, ref in zip(
-                names, processes.actor.execute_checkpoint_engine(DELTA_HELD), strict=True)])
+                names, processes.actor.execute_checkpoint_engine(DELTA_HELD, **kwargs),
+                strict=True)])
         lacking = [name for name, answer in zip(names, answers, strict=True)
                    if _needs_base(answer) and _held_version(answer) != plan.base]
         if lacking:
@@ -943,6 +1119,8 @@ class CheckpointEngineManager:
         if round_.plan is not None:
             options = {**options, "delta_base": round_.plan.base,
                        "delta_version": round_.plan.version}
+        if round_.adapter is not None:
+            options = {**options, "adapter": round_.adapter.as_dict()}
         if from_cache:
             results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
             sent, loaded = results[:1], results
@@ -1347,6 +1525,12 @@ async def _answer_or_none(call: Awaitable[Any], method: str) -> Any:
         if method in str(exc):
             return None
         raise
+
+
+def _held_of(adapter: AdapterSpec | None) -> dict[str, Any]:
+    """The keyword arguments of a :data:`~weightsync_core.api.config.DELTA_HELD` call: of
+    ``adapter``'s copy, or (none) of the weights'."""
+    return {} if adapter is None else {"adapter": adapter.name}
 
 
 def _held_version(answer: Any) -> str | None:

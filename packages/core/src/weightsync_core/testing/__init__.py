@@ -18,8 +18,10 @@ _SUITE = ("CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
 _DELTA_SUITE = ("DeltaSyncConformanceTests",)
 _SHARDED_SUITE = ("ShardedDeliveryConformanceTests",)
 _STORM_SUITE = ("ConnectionStormTests",)
+_ADAPTER_SUITE = ("AdapterSyncConformanceTests",)
 
 if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when asked for
+    from weightsync_core.testing.adapter_suite import AdapterSyncConformanceTests
     from weightsync_core.testing.delta_suite import DeltaSyncConformanceTests
     from weightsync_core.testing.sharded_suite import ShardedDeliveryConformanceTests
     from weightsync_core.testing.storm_suite import ConnectionStormTests
@@ -30,8 +32,9 @@ if TYPE_CHECKING:  # at run time, __getattr__ imports them (and pytest) when ask
     )
 
 __all__ = [
-    "CheckpointEngineConformanceTests", "ColocatedEngineConformanceTests",
-    "ConnectionStormTests", "ControlFrameReplayTests", "DeltaSyncConformanceTests", "Faults",
+    "AdapterSyncConformanceTests", "CheckpointEngineConformanceTests",
+    "ColocatedEngineConformanceTests", "ConnectionStormTests", "ControlFrameReplayTests",
+    "DeltaSyncConformanceTests", "Faults",
     "Placement", "ShardedDeliveryConformanceTests", "SyncHarness", "digest", "digests",
     "ensure_ray", "make_weights", "user_ray_cluster",
 ]
@@ -51,6 +54,10 @@ def __getattr__(name: str) -> Any:
         from weightsync_core.testing import sharded_suite
 
         return getattr(sharded_suite, name)
+    if name in _ADAPTER_SUITE:
+        from weightsync_core.testing import adapter_suite
+
+        return getattr(adapter_suite, name)
     if name in _STORM_SUITE:
         from weightsync_core.testing import storm_suite
 

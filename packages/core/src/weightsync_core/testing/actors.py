@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.bucketing import WeightsSource
 from weightsync_core.data.shards.experts import (
     fsdp_first_expert,
@@ -33,6 +34,7 @@ from weightsync_core.testing.weights import (
     convert_in_place,
     digest,
     faulty_stream,
+    make_adapter,
     make_weights,
     sparse_updates,
 )
@@ -153,6 +155,10 @@ class RecordingServerAdapter:
     since.
     ``convert``: change every received tensor in place once its digest is taken, as a server
     that converts weights while loading them does (what it keeps is the converted tensor).
+
+    LoRA adapters: :attr:`adapters` holds the digests of every version it was given and did
+    not drop; ``max_adapter_rank`` refuses adapters of a higher rank (as vLLM's
+    ``max_lora_rank``), ``refuse_adapter`` its next adapter load.
     """
 
     def __init__(self) -> None:
@@ -173,10 +179,32 @@ class RecordingServerAdapter:
         self.convert = False
         self.kept: dict[tuple[int | None, str], tuple[torch.Tensor, TensorDigest | None]] = {}
         self.layout: LayoutSpec | None = None
+        self.adapters: dict[str, dict[int, dict[str, TensorDigest]]] = {}
+        self.max_adapter_rank: int | None = None
+        self.refuse_adapter = False
 
     def weight_layout(self) -> LayoutSpec | None:
         """What this server needs of the weights (None: every tensor whole)."""
         return self.layout
+
+    def check_adapter(self, spec: AdapterSpec) -> None:
+        """Refuse an adapter of a rank above :attr:`max_adapter_rank`."""
+        if self.max_adapter_rank is not None and spec.rank > self.max_adapter_rank:
+            raise ValueError(f"its max_lora_rank is {self.max_adapter_rank}")
+
+    async def load_adapter(self, spec: AdapterSpec, version: int,
+                           tensors: dict[str, torch.Tensor]) -> None:
+        """Keep the digests of ``version`` of adapter ``spec.name`` (refused once where
+        :attr:`refuse_adapter`)."""
+        if self.refuse_adapter:
+            self.refuse_adapter = False
+            raise ValueError(f"the server refused version {version} of {spec.name!r}")
+        self.adapters.setdefault(spec.name, {})[version] = {
+            name: digest(tensor) for name, tensor in tensors.items()}
+
+    def drop_adapter(self, name: str, version: int) -> None:
+        """Forget ``version`` of adapter ``name``."""
+        del self.adapters[name][version]
 
     async def _arrival_faults(self, count: int) -> None:
         """Die, stall or go slow at the ``count``-th tensor of a sync, as set."""
@@ -257,13 +285,16 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         refuse_after: int | None = None,
         refuse_stage_after: int | None = None,
         hold_stage_refusal: bool = False,
+        max_adapter_rank: int | None = None,
+        refuse_adapter: bool = False,
     ) -> None:
         """Make the server die or stall after that many tensors (``None``: behave), refuse
         its next load after ``refuse_after`` tensors (its next stage after
         ``refuse_stage_after``; with ``hold_stage_refusal``, only once
         :meth:`release_stage_refusal` is called), take ``delay_per_tensor`` seconds per
         tensor, skip digests (``discard``), keep every tensor until the update ends
-        (``keep``), or change each in place as it loads it (``convert``)."""
+        (``keep``), or change each in place as it loads it (``convert``); refuse adapters
+        above ``max_adapter_rank``, or its next adapter load (``refuse_adapter``)."""
         adapter = self._recorder()
         adapter.die_after = die_after
         adapter.stall_after = stall_after
@@ -275,6 +306,8 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
         adapter.discard = discard
         adapter.keep = keep
         adapter.convert = convert
+        adapter.max_adapter_rank = max_adapter_rank
+        adapter.refuse_adapter = refuse_adapter
         if not keep:
             adapter.kept.clear()
 
@@ -300,6 +333,7 @@ class RecordingRolloutWorker(_ProcessHooks, CheckpointEngineWorker):
             "global_steps": adapter.global_steps,
             "lifecycle": adapter.lifecycle,
             "changed_kept_tensors": adapter.changed_kept_tensors(),
+            "adapters": adapter.adapters,
             "engine_class": type(self.checkpoint_engine).__module__ + "."
             + type(self.checkpoint_engine).__qualname__,
             "pid": os.getpid(),
@@ -326,6 +360,9 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         self.colocated_adapter = RecordingServerAdapter()
         self.weight_streams = 0
         self.layout: LayoutSpec | None = None
+        self.adapter: AdapterSpec | None = None
+        self.adapter_tensors: dict[str, torch.Tensor] = {}
+        self.adapter_faults = Faults()
         self.init_checkpoint_engine(config, self.colocated_adapter)
 
     def set_weights(
@@ -339,6 +376,24 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
             make_weights(seed, self.config.bucket_size_bytes, profile), updates)
         self.faults = faults or Faults()
         return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def set_adapter(self, spec: dict[str, Any], seed: int,
+                    updates: Sequence[tuple[int, float]] = (),
+                    faults: Faults | None = None) -> None:
+        """Train the LoRA adapter ``spec`` (plain data), its tensors those of
+        :func:`~weightsync_core.testing.weights.make_adapter` (``seed``, ``updates``)."""
+        self.adapter = AdapterSpec.from_dict(spec)
+        self.adapter_tensors = make_adapter(self.adapter, seed, updates=updates)
+        self.adapter_faults = faults or Faults()
+
+    def adapter_spec(self, name: str) -> AdapterSpec:
+        if self.adapter is None or self.adapter.name != name:
+            raise KeyError(f"this actor rank trains no adapter {name!r}")
+        return self.adapter
+
+    def iter_adapter_weights(self, name: str) -> WeightsSource:
+        self.adapter_spec(name)
+        return cast(WeightsSource, faulty_stream(self.adapter_tensors, self.adapter_faults))
 
     def set_uniform_weights(self, total_bytes: int, num_tensors: int) -> int:
         """Replace the weights by ``num_tensors`` equal float32 tensors (for benchmarks)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.bucketing import as_bytes, cast_for_rollout
 from weightsync_core.data.shards.experts import MoEShape
 from weightsync_core.data.shards.tensor_parallel import DecoderShape
@@ -23,6 +24,7 @@ __all__ = [
     "digest",
     "digests",
     "faulty_stream",
+    "make_adapter",
     "make_weights",
     "sparse_updates",
 ]
@@ -183,6 +185,24 @@ def _moe_weights(randn: Callable[..., torch.Tensor], fused: bool) -> dict[str, t
 
 ONE_ELEMENT = -1.0
 """A :func:`sparse_updates` fraction that changes exactly one element of each tensor."""
+
+
+def make_adapter(spec: AdapterSpec, seed: int, layers: int = 2, hidden: int = 64,
+                 updates: Sequence[tuple[int, float]] = ()) -> dict[str, torch.Tensor]:
+    """A LoRA adapter of ``spec`` for a decoder of ``layers`` layers of width ``hidden``
+    (float32, named as PEFT's ``get_peft_model_state_dict`` names them: every target
+    module of every layer, ``lora_A`` ``[rank, hidden]`` then ``lora_B`` ``[hidden,
+    rank]``), from ``seed``, after the sparse ``updates`` (:func:`sparse_updates`)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        for module in spec.target_modules:
+            path = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{path}.lora_A.weight"] = torch.randn(spec.rank, hidden,
+                                                           generator=generator)
+            tensors[f"{path}.lora_B.weight"] = torch.randn(hidden, spec.rank,
+                                                           generator=generator)
+    return sparse_updates(tensors, updates)
 
 
 def sparse_updates(

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_core.api.config import (
+    ADAPTER_SPEC,
     BEGIN_SYNC,
     BUILT_SETTINGS,
     DELTA_HELD,
@@ -24,6 +25,7 @@ from weightsync_core.api.engine import (
 from weightsync_core.api.errors import EmptyWeightsError, WeightSyncError
 from weightsync_core.api.passes import passes_of
 from weightsync_core.api.protocols import ServerAdapter
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.bucketing import (
     WeightsSource,
     iter_named_tensors,
@@ -147,10 +149,27 @@ class ActorCheckpointEngineMixin:
         spread = (delta_group is not None and dist.get_world_size(delta_group) > 1
                   and not self.checkpoint_engine.encodes_own_share)
         self.delta_sender = SpreadDeltaSender(delta_group) if spread else DeltaSender()
+        self.adapter_delta_senders: dict[str, DeltaSender] = {}
+        """Per LoRA adapter name, the copy its delta syncs are against (the sending rank's)."""
 
     def iter_weights(self) -> WeightsSource:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
         raise NotImplementedError(f"{type(self).__name__} must implement iter_weights()")
+
+    def adapter_spec(self, name: str) -> AdapterSpec:
+        """The LoRA adapter ``name`` this rank trains, as adapter syncs describe it
+        (:meth:`AdapterSpec.from_peft_config
+        <weightsync_core.data.adapters.AdapterSpec.from_peft_config>` of its PEFT config)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement adapter_spec(name) (and "
+            "iter_adapter_weights(name)) for adapter syncs")
+
+    def iter_adapter_weights(self, name: str) -> WeightsSource:
+        """Adapter ``name``'s tensors, ``(name, full tensor)`` as PEFT's
+        ``get_peft_model_state_dict`` names them (``...q_proj.lora_A.weight``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement iter_adapter_weights(name) (and "
+            "adapter_spec(name)) for adapter syncs")
 
     def _check_engine_built(self, method: str) -> None:
         """Raise where :meth:`init_checkpoint_engine` has not run on this worker.
@@ -179,7 +198,9 @@ class ActorCheckpointEngineMixin:
         was built with (:func:`built_settings`),
         :data:`~weightsync_core.api.config.BEGIN_SYNC` begins a sync in one call
         (:func:`begin_sync`), :data:`~weightsync_core.api.config.DELTA_HELD`
-        the delta version this rank holds a copy of (:meth:`delta_held`)."""
+        the delta version this rank holds a copy of (:meth:`delta_held`; with ``adapter``: of
+        that adapter), :data:`~weightsync_core.api.config.ADAPTER_SPEC` the spec of the
+        adapter ``name`` (:meth:`adapter_spec`)."""
         self._check_engine_built("execute_checkpoint_engine")
         if method == "abort" and not kwargs:
             await self._engine_aborts.run(self._abort_engine)
@@ -192,6 +213,12 @@ class ActorCheckpointEngineMixin:
                 self.checkpoint_engine_config, self.checkpoint_engine), **kwargs)
         if method == DELTA_HELD and not kwargs:
             return self.delta_held()
+        if method == DELTA_HELD and set(kwargs) == {"adapter"}:
+            sender = self.adapter_delta_senders.get(kwargs["adapter"])
+            return {"version": None if sender is None else sender.version,
+                    "needs_base": self.checkpoint_engine.sends_weights()}
+        if method == ADAPTER_SPEC:
+            return self.adapter_spec(kwargs["name"]).as_dict()
         engine = self.checkpoint_engine
         if method == "prepare" and getattr(engine, "executes_layouts", False):
             engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
@@ -232,6 +259,7 @@ class ActorCheckpointEngineMixin:
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         delta_base: str | None = None, delta_version: str | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """Send this rank's weights (and, colocated, load them into the local server, where
         ``allow_manifest_change`` applies as on :class:`CheckpointEngineWorker`).
@@ -239,7 +267,10 @@ class ActorCheckpointEngineMixin:
         ``delta_version`` (a delta-enabled sync, from the manager): where this rank sends
         (:meth:`~weightsync_core.api.engine.CheckpointEngine.sends_weights`), keep a host copy of
         what it sends as that version; with ``delta_base``, send patches against the version
-        of that token (:class:`~weightsync_core.data.delta.DeltaSender`)."""
+        of that token (:class:`~weightsync_core.data.delta.DeltaSender`).
+
+        ``adapter`` (an adapter sync: the spec the manager checked, as plain data): send
+        that LoRA adapter's tensors (:meth:`iter_adapter_weights`), never quantized."""
         self._check_engine_built("update_weights")
         engine = self.checkpoint_engine
         passes = passes_of(engine)
@@ -247,12 +278,18 @@ class ActorCheckpointEngineMixin:
         taken = TransferStats()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
         encoding = plan is not None and engine.sends_weights()
-        source = (self.iter_weight_shards() if getattr(engine, "executes_layouts", False)
-                  and self.weight_layout() is not None else self.iter_weights())
         rollout_dtype = self.checkpoint_engine_config.rollout_torch_dtype
-        if self.checkpoint_engine_config.rollout_quantization is not None:
-            source, rollout_dtype = QuantizedWeights(source, rollout_dtype), None
-        weights = self.delta_sender.encoded(
+        sender = self.delta_sender
+        if adapter is not None:
+            name = AdapterSpec.from_dict(adapter).name
+            source = self.iter_adapter_weights(name)
+            sender = self.adapter_delta_senders.setdefault(name, DeltaSender())
+        else:
+            source = (self.iter_weight_shards() if getattr(engine, "executes_layouts", False)
+                      and self.weight_layout() is not None else self.iter_weights())
+            if self.checkpoint_engine_config.rollout_quantization is not None:
+                source, rollout_dtype = QuantizedWeights(source, rollout_dtype), None
+        weights = sender.encoded(
             engine, _ProducedWeights(source, engine.progress, taken,
                                      contiguous=written_for_verl(engine)),
             plan, rollout_dtype, encoding)
@@ -277,7 +314,7 @@ class ActorCheckpointEngineMixin:
         result = stats.as_dict()
         result.update(passes.as_dict())
         if encoding:
-            result.update(self.delta_sender.last_stats.as_dict())
+            result.update(sender.last_stats.as_dict())
         if plan is not None:
-            result["delta_kept_bytes"] = float(self.delta_sender.kept_bytes)
+            result["delta_kept_bytes"] = float(sender.kept_bytes)
         return result

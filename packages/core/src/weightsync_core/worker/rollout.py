@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 import torch
 
 from weightsync_core.api.config import (
+    ADAPTER_CHECK,
+    ADAPTER_KEEP,
     BEGIN_SYNC,
     BUILT_SETTINGS,
     DELTA_HELD,
@@ -21,8 +23,10 @@ from weightsync_core.api.engine import CheckpointEngine, CheckpointEngineWithCac
 from weightsync_core.api.errors import WeightSyncError
 from weightsync_core.api.passes import passes_of
 from weightsync_core.api.protocols import PreparedSwitch, ServerAdapter
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.delta import DeltaPlan, DeltaReceiver
 from weightsync_core.data.verification import ManifestGuard
+from weightsync_core.worker.adapters import RolloutAdapters
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
     AbortGate,
@@ -93,6 +97,9 @@ class CheckpointEngineWorker:
         self.update_complete = True
         self.manifest_guard = ManifestGuard()
         self.delta_receiver = DeltaReceiver()
+        self.adapters = RolloutAdapters()
+        """The LoRA adapters its server holds, by name (:meth:`update_weights` with
+        ``adapter``)."""
         self.staged: StagedWeights | None = None
         """The staged update (:meth:`stage_weights`), until committed or discarded."""
         self.rollback_copy: StagedWeights | None = None
@@ -141,6 +148,15 @@ class CheckpointEngineWorker:
                 lambda: built_settings(self.config, self.checkpoint_engine), **kwargs)
         if method == DELTA_HELD and not kwargs:
             return {"version": self.delta_receiver.version, "needs_base": False}
+        if method == DELTA_HELD and set(kwargs) == {"adapter"}:
+            return {"version": self.adapters.delta_held(kwargs["adapter"]), "needs_base": False}
+        if method == ADAPTER_CHECK:
+            self.adapters.check(AdapterSpec.from_dict(kwargs["adapter"]), self.server_adapter,
+                                bool(kwargs.get("allow_change")), "this rollout worker")
+            return None
+        if method == ADAPTER_KEEP:
+            await self.adapters.keep(self.server_adapter, kwargs["name"], kwargs["versions"])
+            return None
         if method == "prepare":
             self._declare_layout()
         return await execute_engine_method(self.checkpoint_engine, method, kwargs)
@@ -172,6 +188,7 @@ class CheckpointEngineWorker:
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         delta_base: str | None = None, delta_version: str | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """Receive one version of the weights and load it into the server. Unless
         ``allow_manifest_change``, a tensor whose name, shape or dtype differs from the
@@ -180,12 +197,26 @@ class CheckpointEngineWorker:
         ``delta_version`` (a delta-enabled sync, from the manager): keep a host copy of what
         arrives as that version; with ``delta_base``, what arrives are patches against the
         version of that token, which this worker must hold
-        (:class:`~weightsync_core.data.delta.DeltaReceiver`)."""
-        self._drop_stage()  # this version is newer than any stage
+        (:class:`~weightsync_core.data.delta.DeltaReceiver`).
+
+        ``adapter`` (an adapter sync: the actor's
+        :class:`~weightsync_core.data.adapters.AdapterSpec` as plain data): what arrives is
+        version ``global_steps`` of that LoRA adapter, added beside the versions the server
+        serves (:meth:`RolloutAdapters.receive
+        <weightsync_core.worker.adapters.RolloutAdapters.receive>`); the weights it serves
+        and any stage are left as they are."""
         engine = self.checkpoint_engine
         passes = passes_of(engine)
         passes.clear()
         plan = DeltaPlan.from_arguments(delta_base, delta_version)
+        if adapter is not None:
+            if global_steps is None:
+                raise WeightSyncError("an adapter sync needs a version: pass global_steps")
+            stats = await self.adapters.receive(engine, self.server_adapter,
+                                                AdapterSpec.from_dict(adapter), global_steps,
+                                                plan)
+            return {**stats, **passes.as_dict()}
+        self._drop_stage()  # this version is newer than any stage
         weights = self.delta_receiver.received(engine, global_steps, plan,
                                                in_place=self._patchable_weights(plan))
         stats = await self._load(weights, global_steps, allow_manifest_change)
@@ -463,11 +494,13 @@ class CheckpointEngineWorker:
 
     def weights_status(self) -> dict[str, Any]:
         """``{"version", "complete", "delta_version", "delta_kept_bytes", "staged_version",
-        "staged_bytes", "rollback_version", "rollback_bytes"}`` of the weights this worker
-        serves (``delta_version``: the token of the version it holds a copy of for delta
-        syncs, or None; ``delta_kept_bytes``: the size of the copies it keeps itself, the
-        server's tensors patched in place not counted), stages (None and 0 where nothing
-        is staged) and could roll back to."""
+        "staged_bytes", "rollback_version", "rollback_bytes", "adapters"}`` of the weights
+        this worker serves (``delta_version``: the token of the version it holds a copy of
+        for delta syncs, or None; ``delta_kept_bytes``: the size of the copies it keeps
+        itself, the server's tensors patched in place not counted), stages (None and 0 where
+        nothing is staged) and could roll back to; ``adapters``: per LoRA adapter name, its
+        spec and the versions its server holds (:meth:`RolloutAdapters.status
+        <weightsync_core.worker.adapters.RolloutAdapters.status>`)."""
         staged, rollback = self.staged, self.rollback_copy
         return {"version": self.weights_version, "complete": self.update_complete,
                 "delta_version": self.delta_receiver.version,
@@ -475,7 +508,8 @@ class CheckpointEngineWorker:
                 "staged_version": None if staged is None else staged.version,
                 "staged_bytes": 0 if staged is None else staged.nbytes,
                 "rollback_version": None if rollback is None else rollback.version,
-                "rollback_bytes": 0 if rollback is None else rollback.nbytes}
+                "rollback_bytes": 0 if rollback is None else rollback.nbytes,
+                "adapters": self.adapters.status()}
 
     async def _adapter_call(self, method: str) -> None:
         function = getattr(self.server_adapter, method, None)
