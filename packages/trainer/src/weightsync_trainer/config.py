@@ -65,7 +65,10 @@ class ModelConfig:
     With ``path`` unset the model is built from ``model_type`` and the size fields (random
     initialisation from ``seed``, no download); with ``path`` set it is loaded with
     ``from_pretrained(path)`` and the size fields are ignored. ``path`` is verl's key; the
-    others are this trainer's.
+    others are this trainer's, but for the LoRA keys (verl's): ``lora_rank`` > 0 trains a
+    PEFT LoRA adapter of that rank, ``lora_alpha``, on ``target_modules`` (a list of module
+    names), the base model frozen; the base syncs once, then each step syncs the adapter
+    only (``CheckpointEngineManager.update_adapter``).
     """
 
     path: str | None = None
@@ -83,6 +86,9 @@ class ModelConfig:
     dense model."""
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def __post_init__(self) -> None:
         _positive(
@@ -103,6 +109,13 @@ class ModelConfig:
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) cannot exceed "
                               f"num_experts ({self.num_experts})")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0 (0: train every weight), got "
+                              f"{self.lora_rank}")
+        if self.lora_rank and (isinstance(self.target_modules, str) or not self.target_modules):
+            raise ConfigError(
+                f"target_modules must be a non-empty list of module names (q_proj, v_proj, "
+                f"...) with lora_rank > 0, got {self.target_modules!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
@@ -444,12 +457,31 @@ class ExperimentConfig:
         for section, mini_batch, ranks, world_size in groups:
             self._check_mini_batches(section, mini_batch, ranks, world_size)
         engine = self.actor_rollout_ref.rollout.checkpoint_engine
+        if model.lora_rank:
+            self._check_lora(engine)
         if self.trainer.async_rollout.enable and engine.backend == "naive":
             raise ConfigError(
                 "trainer.async_rollout.enable=true needs rollout replicas of their own: with "
                 "the colocated backend 'naive' the actor's processes generate, and cannot "
                 "while they train; choose another actor_rollout_ref.rollout.checkpoint_engine."
                 "backend (gloo, nixl, ...)")
+
+    def _check_lora(self, engine: CheckpointEngineConfig) -> None:
+        """Refuse LoRA where adapter syncs are not built (see
+        ``CheckpointEngineManager.update_adapter``)."""
+        rollout = self.actor_rollout_ref.rollout
+        why = ("the colocated backend 'naive' (no adapter syncs in the actor's process)"
+               if engine.backend == "naive" else
+               f"the sharded backend {engine.backend!r} (adapter syncs go whole)"
+               if engine.backend.endswith("_sharded") else
+               "tensor_model_parallel_size > 1 (the trainer's tensor-parallel replicas take "
+               "no adapters)" if rollout.tensor_model_parallel_size > 1 else
+               "trainer.async_rollout.enable=true (not built yet)"
+               if self.trainer.async_rollout.enable else None)
+        if why is not None:
+            raise ConfigError(
+                f"actor_rollout_ref.model.lora_rank={self.actor_rollout_ref.model.lora_rank} "
+                f"cannot run with {why}; set lora_rank=0 or change that setting")
 
     def _check_mini_batches(self, section: str, mini_batch: int, ranks: str,
                             world_size: int) -> None:

@@ -107,22 +107,26 @@ class HFRolloutReplica(RayRolloutReplica):
     a copy."""
 
     async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
         """Responses for ``prompt_ids`` rows, sampled by this replica's workers (by its first
-        worker, the others' slices assembled, where they split the model)."""
+        worker, the others' slices assembled, where they split the model), on LoRA adapter
+        version ``adapter`` (``(name, version)``) where given."""
         if self.tensor_parallel:
-            return await self.workers[0].generate.remote(prompt_ids, response_length, seed)
+            return await self.workers[0].generate.remote(prompt_ids, response_length, seed,
+                                                         adapter)
         shares = prompt_ids.tensor_split(min(len(self.workers), prompt_ids.shape[0]))
         outputs = await asyncio.gather(*(
-            worker.generate.remote(share, response_length, seed + index)
+            worker.generate.remote(share, response_length, seed + index, adapter)
             for index, (worker, share) in enumerate(zip(self.workers, shares, strict=False))
         ))
         return torch.cat(outputs)
 
 
     async def generate_sample(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """As :meth:`generate`, with what sampled each token: ``{"tokens", "log_probs",
         "versions"}``, each ``[rows, response_length]`` (``versions``: the weights version
@@ -130,7 +134,7 @@ class HFRolloutReplica(RayRolloutReplica):
         workers = self.workers[:1] if self.tensor_parallel else self.workers
         shares = prompt_ids.tensor_split(min(len(workers), prompt_ids.shape[0]))
         samples = await asyncio.gather(*(
-            worker.generate_sample.remote(share, response_length, seed + index)
+            worker.generate_sample.remote(share, response_length, seed + index, adapter)
             for index, (worker, share) in enumerate(zip(workers, shares, strict=False))
         ))
         return {
@@ -168,11 +172,17 @@ class LLMServerClient:
         self._load_balancer = load_balancer_handle
         self.servers: dict[str, Any] = {server.name: server for server in servers}
 
-    async def generate(self, prompt_ids: torch.Tensor, request_id: str, seed: int) -> torch.Tensor:
-        """Sample ``data.max_response_length`` tokens after each row of ``prompt_ids``."""
+    async def generate(self, prompt_ids: torch.Tensor, request_id: str, seed: int,
+                       adapter: tuple[str, int] | None = None) -> torch.Tensor:
+        """Sample ``data.max_response_length`` tokens after each row of ``prompt_ids`` (on
+        LoRA adapter version ``adapter``, ``(name, version)``, where given)."""
         server_id, server = await self._acquire_server(request_id)
         try:
-            return await server.generate(prompt_ids, self.config.data.max_response_length, seed)
+            if adapter is None:  # a server of another package may take no adapter
+                return await server.generate(prompt_ids, self.config.data.max_response_length,
+                                             seed)
+            return await server.generate(prompt_ids, self.config.data.max_response_length,
+                                         seed, adapter)
         finally:
             await self._release_server(server_id)
 

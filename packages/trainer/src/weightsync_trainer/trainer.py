@@ -22,6 +22,7 @@ from weightsync_trainer.async_rollout import AsyncRollout
 from weightsync_trainer.config import ExperimentConfig, TrainingWorkerConfig
 from weightsync_trainer.groups import TrainingWorkerGroup
 from weightsync_trainer.llm_server import LLMServerClient, LLMServerManager
+from weightsync_trainer.lora import ADAPTER_NAME
 from weightsync_trainer.task import TargetTokenTask
 from weightsync_trainer.workers.actor import ActorWorker
 from weightsync_trainer.workers.critic import CriticWorker
@@ -43,7 +44,9 @@ class RayPPOTrainer:
     Workers: ``actor_wg`` (:class:`ActorWorker` ranks), the critic group for PPO, and the
     rollout replicas of :attr:`server_manager_cls`. Weights move from ``actor_wg`` to the
     replicas through a :class:`~weightsync_core.CheckpointEngineManager` (or the subclass named
-    by ``actor_rollout_ref.rollout.checkpoint_manager_class``) after every step.
+    by ``actor_rollout_ref.rollout.checkpoint_manager_class``) after every step; with a LoRA
+    actor (``actor_rollout_ref.model.lora_rank`` > 0) the base once, then only the adapter
+    (``update_adapter``), each step's requests naming the adapter version they sample from.
 
     Per-role context: set ``_actor_extra_context`` / ``_critic_extra_context`` (dicts) on the
     trainer before :meth:`init_workers`; each becomes that role's
@@ -75,6 +78,8 @@ class RayPPOTrainer:
         self.client: LLMServerClient | None = None
         self.checkpoint_manager: CheckpointEngineManager | None = None
         self._generator = torch.Generator().manual_seed(config.trainer.seed)
+        self.adapter_version: int | None = None
+        """The adapter version requests are served on (a LoRA actor; None: the weights)."""
 
     def worker_config(self, role: str) -> TrainingWorkerConfig:
         """The :class:`TrainingWorkerConfig` of ``role`` (``actor`` or ``critic``)."""
@@ -122,6 +127,24 @@ class RayPPOTrainer:
             replicas=self.server_manager.replicas,
         )
         await self.checkpoint_manager.update_weights(global_steps=0)
+        if self.config.actor_rollout_ref.model.lora_rank:
+            await self.checkpoint_manager.update_adapter(0, ADAPTER_NAME)
+            self.adapter_version = 0
+
+    def _adapter(self) -> tuple[str, int] | None:
+        """What this step's requests name: the last adapter version synced (None: no
+        adapter)."""
+        return None if self.adapter_version is None else (ADAPTER_NAME, self.adapter_version)
+
+    async def sync(self, step: int) -> dict[str, float]:
+        """Move the actor's step-``step`` policy to the replicas: the weights, or, with a
+        LoRA actor, only its adapter (then served from the next request on)."""
+        manager = self._started(self.checkpoint_manager, "checkpoint_manager")
+        if self.adapter_version is None:
+            return await manager.update_weights(global_steps=step)
+        metrics = await manager.update_adapter(step, ADAPTER_NAME)
+        self.adapter_version = step
+        return metrics
 
     async def generate(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``group_size`` responses for each of this step's prompts; returns
@@ -135,6 +158,7 @@ class RayPPOTrainer:
                 prompt.expand(group_size, -1).contiguous(),
                 request_id=f"step{step}-prompt{index}",
                 seed=base_seed + index * group_size,
+                adapter=self._adapter(),
             )
             for index, prompt in enumerate(prompts)
         )))
@@ -182,13 +206,12 @@ class RayPPOTrainer:
 
     async def train_step(self, step: int) -> dict[str, float]:
         """One step; returns its metrics (reward, losses, timings and the sync's metrics)."""
-        checkpoint_manager = self._started(self.checkpoint_manager, "checkpoint_manager")
         start = time.perf_counter()
         input_ids, responses = await self.generate(step)
         generated = time.perf_counter()
         metrics = await self.train_on(step, input_ids, responses)
         trained = time.perf_counter()
-        metrics.update(await checkpoint_manager.update_weights(global_steps=step))
+        metrics.update(await self.sync(step))
         metrics.update({
             "timing/generate_s": generated - start,
             "timing/train_s": trained - generated,

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.shards import (
     LayoutSpec,
     fsdp_first_expert,
@@ -20,6 +21,14 @@ from weightsync_core.data.shards import (
     per_expert_stream,
 )
 from weightsync_trainer.algorithms import importance_weights, policy_loss
+from weightsync_trainer.checksum import weights_digest
+from weightsync_trainer.lora import (
+    ADAPTER_NAME,
+    adapter_parameters,
+    adapter_spec,
+    base_parameters,
+    with_adapter,
+)
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
 from weightsync_trainer.workers.generation import HFGenerationServer
 from weightsync_trainer.workers.training import (
@@ -37,13 +46,17 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
     Weights leave as full tensors one parameter at a time (:func:`full_parameters`), never as a
     gathered state dict. With a colocated backend (``naive``) the rank also serves generation
     from an in-process :class:`HFGenerationServer`, which receives the weights directly.
+
+    With ``model.lora_rank`` > 0 the policy is a PEFT LoRA adapter on a frozen base: the
+    weights syncs send are the base's (under its checkpoint names), the adapter goes in
+    adapter syncs (:meth:`adapter_spec`, :meth:`iter_adapter_weights`).
     """
 
     role = "actor"
     model_type = "causal_lm"
 
     def build_model(self) -> torch.nn.Module:
-        return build_policy_model(self.config.model)
+        return with_adapter(build_policy_model(self.config.model), self.config.model)
 
     def init_model(self, master_addr: str, master_port: int) -> None:
         """Build the sharded policy, then this rank's checkpoint engine."""
@@ -59,8 +72,39 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
 
     def iter_weights(self) -> WeightsSource:
         """Every parameter, gathered whole one at a time, under its checkpoint name (fused
-        experts one expert at a time)."""
-        return per_expert_stream(full_parameters(self._built_model()))
+        experts one expert at a time; of a LoRA policy, the base's)."""
+        return per_expert_stream(base_parameters(full_parameters(self._built_model())))
+
+    def adapter_spec(self, name: str) -> AdapterSpec:
+        """The LoRA adapter this rank trains (``model.lora_rank`` > 0), as syncs describe it.
+
+        Raises:
+            KeyError: ``name`` is not its adapter's name, or it trains no adapter.
+        """
+        model = self.config.model
+        if not model.lora_rank or name != ADAPTER_NAME:
+            raise KeyError(f"this actor trains no adapter {name!r}"
+                           + (f" (its adapter is {ADAPTER_NAME!r})" if model.lora_rank else
+                              " (actor_rollout_ref.model.lora_rank is 0)"))
+        return adapter_spec(model)
+
+    def iter_adapter_weights(self, name: str) -> WeightsSource:
+        """The adapter's ``lora_A``/``lora_B`` parameters, gathered whole one at a time,
+        under PEFT's state-dict names."""
+        self.adapter_spec(name)
+        return adapter_parameters(full_parameters(self._built_model(), trainable_only=True))
+
+    def adapter_checksum(self) -> str:
+        """Digest of the adapter's tensors (collective: call on every rank), as a replica's
+        ``adapter_checksum`` of the version it holds takes it."""
+        self.adapter_spec(ADAPTER_NAME)
+        return weights_digest(adapter_parameters(
+            full_parameters(self._built_model(), trainable_only=True)))
+
+    def weights_checksum(self) -> str:
+        """Digest of the full weights (collective: call on every rank); of a LoRA policy,
+        of its base (as the rollout's is: compare them)."""
+        return weights_digest(base_parameters(full_parameters(self._built_model())))
 
     def _fused_experts(self) -> int | None:
         """The experts of the model's fused expert tensors (None: it has none)."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.quantization import (
     dequantize_fp8_block,
     dequantized,
@@ -21,8 +22,10 @@ from weightsync_core.data.quantization import (
 from weightsync_core.data.shards import per_expert_stream
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
+from weightsync_trainer.lora import base_parameters
 from weightsync_trainer.modeling import build_policy_model
 from weightsync_trainer.workers.pausing import GenerationAborted, GenerationGate, PauseMode
+from weightsync_trainer.workers.served_adapters import ServedAdapters
 
 __all__ = ["GenerationAborted", "HFGenerationServer"]
 
@@ -59,7 +62,9 @@ class HFGenerationServer:
     stop-the-world sync) drains. A staged commit swaps the staged tensors in as the
     parameters (:meth:`swap_weights`: no copy; the old ones are the rollback copy).
     ``generate`` allocates its KV cache per call, so there is no cache to release between
-    requests.
+    requests. LoRA adapter syncs add versions beside the base weights (:meth:`load_adapter`,
+    through PEFT: :class:`~.served_adapters.ServedAdapters`), on the request thread, between
+    two requests; a request names the version it is served on (``adapter``).
 
     Args:
         model: the model to build.
@@ -84,15 +89,21 @@ class HFGenerationServer:
         self.gate = GenerationGate()
         """Where generations park or end during a pause."""
         self._generating = ThreadPoolExecutor(1, thread_name_prefix="hf-generate")
+        self.adapters = ServedAdapters(self.model)
+        """The LoRA adapter versions it serves (used on the request thread only)."""
 
     async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
-        """Sample one response of exactly ``response_length`` tokens per prompt row."""
-        return (await self.generate_sample(prompt_ids, response_length, seed))["tokens"]
+        """Sample one response of exactly ``response_length`` tokens per prompt row (on
+        version ``adapter[1]`` of LoRA adapter ``adapter[0]`` where given)."""
+        return (await self.generate_sample(prompt_ids, response_length, seed,
+                                           adapter))["tokens"]
 
     async def generate_sample(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
         """Sample one response of exactly ``response_length`` tokens per prompt row, with
         what produced it: ``{"tokens", "log_probs" (of each token under the weights and
@@ -102,16 +113,18 @@ class HFGenerationServer:
 
         Raises:
             GenerationAborted: an ``abort`` pause ended it; send it again.
+            WeightSyncError: this server holds no such adapter version.
         """
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._generating, self._sample, prompt_ids,
-                                          response_length, seed)
+                                          response_length, seed, adapter)
 
-    def _sample(self, prompt_ids: torch.Tensor, response_length: int, seed: int
-                ) -> dict[str, Any]:
+    def _sample(self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+                adapter: tuple[str, int] | None = None) -> dict[str, Any]:
         """:meth:`generate_sample` on the generation thread."""
         self.gate.enter()
         try:
+            self.adapters.activate(adapter)
             watch = _AtEveryToken(self)
             torch.manual_seed(seed)
             with torch.no_grad():
@@ -148,7 +161,7 @@ class HFGenerationServer:
         parameter itself, but experts a transformers 5 mixture of experts holds fused, one
         view of the fused parameter per expert's ``gate_proj``, ``up_proj`` and
         ``down_proj`` (writing into it writes the parameter)."""
-        return dict(per_expert_stream(self.model.named_parameters()))
+        return dict(per_expert_stream(base_parameters(self.model.named_parameters())))
 
     def _target(self, name: str, tensor: torch.Tensor,
                 params: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -239,6 +252,23 @@ class HFGenerationServer:
         the parameters' dtype) instead of keeping a copy of their own."""
         return {name: tensor.detach() for name, tensor in self.checkpoint_tensors().items()}
 
+    def check_adapter(self, spec: AdapterSpec) -> None:
+        """Refuse an adapter whose target modules the model lacks."""
+        self.adapters.check(spec)
+
+    async def load_adapter(self, spec: AdapterSpec, version: int,
+                           tensors: dict[str, torch.Tensor]) -> None:
+        """Serve ``version`` of LoRA adapter ``spec.name`` beside the versions it serves
+        (between two requests, on the request thread)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._generating, self.adapters.load, spec, version,
+                                   tensors)
+
+    async def drop_adapter(self, name: str, version: int) -> None:
+        """Stop serving ``version`` of LoRA adapter ``name`` (between two requests)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._generating, self.adapters.drop, name, version)
+
     async def abort_all_requests(self) -> None:
         """Pause for a stop-the-world sync: requests in flight finish, new ones wait until
         :meth:`resume_generation`."""
@@ -254,4 +284,4 @@ class HFGenerationServer:
 
     def weights_checksum(self) -> str:
         """Digest of the served weights (compare with the actor's)."""
-        return weights_digest(self.model.named_parameters())
+        return weights_digest(base_parameters(self.model.named_parameters()))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from weightsync_core import CheckpointEngineConfig, CheckpointEngineWorker
+from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import ModelConfig
 from weightsync_trainer.workers.generation import HFGenerationServer
 from weightsync_trainer.workers.tensor_parallel import TensorParallelGenerationServer
@@ -40,17 +41,21 @@ class RolloutWorker(CheckpointEngineWorker):
         super().__init__(checkpoint_engine, server)
 
     async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
-        """Sample responses for ``prompt_ids`` (``[batch, prompt_length]``)."""
-        return await self._server().generate(prompt_ids, response_length, seed)
+        """Sample responses for ``prompt_ids`` (``[batch, prompt_length]``), on LoRA
+        adapter version ``adapter`` (``(name, version)``) where given."""
+        return await self._server().generate(prompt_ids, response_length, seed, adapter)
 
     async def generate_sample(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> dict[str, Any]:
         """Sample responses for ``prompt_ids``, with each token's weights version and time
         (:meth:`HFGenerationServer.generate_sample`)."""
-        return await self._server().generate_sample(prompt_ids, response_length, seed)
+        return await self._server().generate_sample(prompt_ids, response_length, seed,
+                                                    adapter)
 
     async def weights_checksum(self) -> str:
         """Digest of the weights this worker serves (a tensor-parallel worker's: the whole
@@ -59,6 +64,11 @@ class RolloutWorker(CheckpointEngineWorker):
         if isinstance(server, TensorParallelGenerationServer):
             await server.make_whole()
         return server.weights_checksum()
+
+    def adapter_checksum(self, name: str, version: int) -> str:
+        """Digest of ``version`` of LoRA adapter ``name`` as this worker serves it (compare
+        with the actor's ``adapter_checksum``)."""
+        return weights_digest(self._server().adapters.tensors(name, version).items())
 
     def set_tensor_parallel_peers(self, peers: list[Any]) -> None:
         """The other workers of this tensor-parallel replica."""

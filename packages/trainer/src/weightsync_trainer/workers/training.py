@@ -25,13 +25,17 @@ _GROUP_TIMEOUT = timedelta(minutes=5)
 LossFn = Callable[[slice], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` for each parameter, gathered one at a time.
+def full_parameters(model: torch.nn.Module, trainable_only: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for each parameter (``trainable_only``: each that requires a
+    gradient, such as a LoRA adapter's), gathered one at a time.
 
     Sharded parameters are all-gathered with ``DTensor.full_tensor()``; every rank of the
     group must iterate in step (it is a collective). Only one full tensor exists at a time.
     """
     for name, param in model.named_parameters():
+        if trainable_only and not param.requires_grad:
+            continue
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, tensor.detach()
 

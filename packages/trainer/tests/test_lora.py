@@ -1,0 +1,134 @@
+"""LoRA: the trainer's Hugging Face replicas serve adapter versions through PEFT, and a LoRA
+run syncs the base once, then only the adapter, every replica serving the actor's adapter."""
+
+import asyncio
+
+import pytest
+import ray
+import torch
+from trainer_test_helpers import run_experiment
+
+from weightsync_core import WeightSyncError
+from weightsync_trainer import load_config
+from weightsync_trainer.config import ModelConfig
+from weightsync_trainer.errors import ConfigError
+from weightsync_trainer.lora import (
+    adapter_parameters,
+    adapter_spec,
+    base_parameters,
+    with_adapter,
+)
+from weightsync_trainer.modeling import build_policy_model
+from weightsync_trainer.workers.generation import HFGenerationServer
+
+MODEL = ModelConfig(lora_rank=4, lora_alpha=8)
+PROMPT = torch.tensor([[1, 2, 3, 4]])
+
+
+def _trained_adapter(seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A PEFT policy whose adapter is not zero (as after training), and its tensors."""
+    policy = with_adapter(build_policy_model(MODEL), MODEL).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return policy, {name: tensor.detach().clone()
+                    for name, tensor in adapter_parameters(policy.named_parameters())}
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(PROMPT).logits[0, -1]
+
+
+def test_replica_serves_two_versions_side_by_side_as_peft_does():
+    server = HFGenerationServer(MODEL, temperature=1.0)
+    spec = adapter_spec(MODEL)
+    policies = {version: _trained_adapter(version) for version in (1, 2)}
+
+    async def serve() -> None:
+        for version, (_, tensors) in policies.items():
+            await server.load_adapter(spec, version, tensors)
+        assert server.adapters.held() == {"policy": [1, 2]}
+        for version, (policy, _) in policies.items():
+            server.adapters.activate(("policy", version))
+            assert torch.equal(_logits(server.model), _logits(policy))
+        server.adapters.activate(None)
+        with policies[1][0].disable_adapter():
+            assert torch.equal(_logits(server.model), _logits(policies[1][0]))
+        # the base weights keep their checkpoint names: weight syncs still fit
+        assert sorted(server.checkpoint_tensors()) == sorted(
+            name for name, _ in base_parameters(policies[1][0].named_parameters()))
+        await server.drop_adapter("policy", 1)
+        with pytest.raises(WeightSyncError, match=r"no version 1 of adapter 'policy' \(it "
+                                                  r"holds \[2\]\)"):
+            await server.generate(PROMPT, 4, seed=0, adapter=("policy", 1))
+        # a version that does not fit is refused whole; version 2 serves as it did
+        broken = dict(policies[1][1])
+        broken.pop(next(iter(broken)))
+        with pytest.raises(ValueError, match="does not fit"):
+            await server.load_adapter(spec, 3, broken)
+        assert server.adapters.held() == {"policy": [2]}
+        server.adapters.activate(("policy", 2))
+        assert torch.equal(_logits(server.model), _logits(policies[2][0]))
+
+    asyncio.run(serve())
+
+
+def test_lora_configs_that_cannot_run_are_refused():
+    engine = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+    for backend, words in (("naive", "colocated backend 'naive'"),
+                           ("gloo_sharded", "sharded backend 'gloo_sharded'")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(overrides=["actor_rollout_ref.model.lora_rank=4",
+                                   f"{engine}={backend}"])
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size > 1"):
+        load_config(overrides=["actor_rollout_ref.model.lora_rank=4",
+                               "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    gloo = f"{engine}=gloo"
+    with pytest.raises(ConfigError, match="target_modules must be a non-empty list"):
+        load_config(overrides=[gloo, "actor_rollout_ref.model.lora_rank=4",
+                               "actor_rollout_ref.model.target_modules=[]"])
+    with pytest.raises(ConfigError, match="async_rollout"):
+        load_config(overrides=[gloo, "actor_rollout_ref.model.lora_rank=4",
+                               "trainer.async_rollout.enable=true"])
+
+
+@pytest.fixture(scope="module")
+def lora_run():
+    runner, rows = run_experiment([
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_replicas=2",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+        "trainer.total_training_steps=4", "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj,lm_head]",
+        "actor_rollout_ref.actor.optim.lr=0.05"])
+    trainer = runner.trainer
+    workers = [worker for replica in trainer.server_manager.replicas
+               for worker in replica.workers]
+    report = {
+        "rows": rows, "checksums": trainer.weights_checksums(),
+        "actor_adapter": ray.get(trainer.actor_wg.call_all("adapter_checksum"))[0],
+        "served": ray.get([worker.adapter_checksum.remote("policy", 4) for worker in workers]),
+        "status": trainer.checkpoint_manager.adapter_status(),
+        "versions": ray.get([worker.weights_status.remote() for worker in workers]),
+    }
+    trainer.shutdown()
+    return report
+
+
+def test_a_lora_run_syncs_only_the_adapter_and_every_replica_serves_the_actors(lora_run):
+    rows = lora_run["rows"]
+    model = ModelConfig()
+    params = sum(tensor.numel() for _, tensor in build_policy_model(model).named_parameters())
+    adapter = 4 * 2 * (2 * (model.hidden_size + model.hidden_size)) + 4 * (
+        model.hidden_size + model.vocab_size)
+    assert [row["weightsync/bytes"] for row in rows] == [adapter * 4] * len(rows)
+    assert adapter < 0.2 * params
+    assert lora_run["actor_adapter"] and lora_run["served"] == [lora_run["actor_adapter"]] * 2
+    # the base synced once, unchanged since: the replicas serve the actor's base
+    assert lora_run["checksums"]["rollout"] == [lora_run["checksums"]["actor"]] * 2
+    assert all(status["version"] == 0 for status in lora_run["versions"])
+    assert lora_run["status"] == {"replica 0": {"policy": [3, 4]},
+                                  "replica 1": {"policy": [3, 4]}}
+    assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
