@@ -67,7 +67,8 @@ def test_five_kimi_syncs_by_one_manager_give_hf_tokens(rollout, source):
         manager.update_weights(200 + sync)
         assert torch.equal(_generate(rollout), expected), sync
         assert ray.get(rollout.weights_status.remote()) == {"version": 200 + sync,
-                                                            "complete": True}
+                                                            "complete": True,
+                                                            "adapters": {}}
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nixl"])

@@ -75,8 +75,9 @@ def test_staged_syncs_while_a_client_generates_give_hf_tokens(delta, rollout, so
         assert 0 < metrics["weightsync/pause_seconds"] < metrics["weightsync/seconds/total"]
         assert torch.equal(_generate(rollout), expected), sync
     status = ray.get(rollout.weights_status.remote())
+    # a prepared switch is all or nothing
     assert status == {"version": 402 + 10 * delta, "complete": True, "staged_version": None,
-                      "rollback_version": None}  # a prepared switch is all or nothing
+                      "rollback_version": None, "adapters": {}}
     assert not ray.get(rollout.engine_paused.remote())
 
 

@@ -43,7 +43,8 @@ def test_vllm_generates_what_hf_generates_after_a_sync(backend, rollout, source)
 
     assert torch.equal(_generate(rollout), expected)
     assert metrics["weightsync/bytes"] > 2 << 20
-    assert ray.get(rollout.weights_status.remote()) == {"version": step, "complete": True}
+    assert ray.get(rollout.weights_status.remote()) == {"version": step, "complete": True,
+                                                         "adapters": {}}
     assert not ray.get(rollout.is_paused.remote())
 
 
@@ -64,6 +65,7 @@ def test_failed_sync_leaves_the_replica_paused_and_stale_until_a_sync_succeeds(
     step = next(SEEDS)
     manager, _ = source.sync_into(rollout, step=step)
     assert manager.stale_replicas == []
-    assert ray.get(rollout.weights_status.remote()) == {"version": step, "complete": True}
+    assert ray.get(rollout.weights_status.remote()) == {"version": step, "complete": True,
+                                                         "adapters": {}}
     assert not ray.get(rollout.is_paused.remote())
     assert torch.equal(_generate(rollout), expected)

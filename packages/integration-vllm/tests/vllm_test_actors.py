@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.testing.actors import corrupt_bucket_checksum
 from weightsync_core.testing.weights import Faults, faulty_stream
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker
@@ -36,6 +37,33 @@ class FaultySource(ModelWeightsSource):
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from faulty_stream(dict(super().iter_weights()), self.faults)
+
+
+class LoRASource(FaultySource):
+    """A sender that also trains a LoRA adapter: the tensors the test gives it, PEFT-named."""
+
+    def __init__(self, config, model_path: str, faults: Faults) -> None:
+        super().__init__(config, model_path, faults)
+        self.adapter: AdapterSpec | None = None
+        self.adapter_tensors: dict[str, torch.Tensor] = {}
+        self.adapter_faults = Faults()
+
+    def set_adapter(self, spec: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    faults: Faults | None = None) -> None:
+        """Train adapter ``spec`` (plain data) holding ``tensors``; its syncs misbehave as
+        ``faults`` says."""
+        self.adapter = AdapterSpec.from_dict(spec)
+        self.adapter_tensors = tensors
+        self.adapter_faults = faults or Faults()
+
+    def adapter_spec(self, name: str) -> AdapterSpec:
+        if self.adapter is None or self.adapter.name != name:
+            raise KeyError(f"this actor trains no adapter {name!r}")
+        return self.adapter
+
+    def iter_adapter_weights(self, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+        self.adapter_spec(name)
+        yield from faulty_stream(self.adapter_tensors, self.adapter_faults)
 
 
 class ProbedAsyncWorker(AsyncVLLMRolloutWorker):

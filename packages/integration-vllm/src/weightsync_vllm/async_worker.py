@@ -52,12 +52,13 @@ class AsyncVLLMRolloutWorker(VLLMRolloutWorkerBase):
     async def _rpc_all(self, method: str, /, **kwargs: Any) -> list[Any]:
         return await self.engine.collective_rpc(method, kwargs=kwargs)
 
-    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
-                      ) -> list[list[int]]:
+    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any],
+                      lora_request: Any = None) -> list[list[int]]:
         async def one(prompt: dict[str, Any], sampling: Any) -> list[int]:
             final = None
             async for output in self.engine.generate(prompt, sampling,
-                                                     f"weightsync-{next(self._request_ids)}"):
+                                                     f"weightsync-{next(self._request_ids)}",
+                                                     lora_request=lora_request):
                 final = output
             if final is None:
                 raise RuntimeError("vLLM returned no output for a request")

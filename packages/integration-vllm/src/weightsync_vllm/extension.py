@@ -60,6 +60,26 @@ class WeightsyncWorkerExtension:
         """What this worker serves, has staged and could roll back to."""
         return self._weightsync_engine().weights_status()
 
+    def weightsync_update_adapter(self, global_steps: int, adapter: dict[str, Any],
+                                  lora_id: int, delta_base: str | None = None,
+                                  delta_version: str | None = None) -> dict[str, float]:
+        """Receive one version of a LoRA adapter as LoRA ``lora_id`` (the engine's
+        ``update_adapter``: no reload of the model, vLLM serving the other versions)."""
+        return self._weightsync_engine().update_adapter(global_steps, adapter, lora_id,
+                                                        delta_base, delta_version)
+
+    def weightsync_adapter_status(self) -> dict[str, Any]:
+        """The adapter versions this worker holds, by LoRA id, and those retired."""
+        return self._weightsync_engine().adapter_status()
+
+    def weightsync_release_adapters(self, lora_ids: list[int]) -> list[int]:
+        """Let vLLM go of these retired LoRAs; the ids still retired."""
+        return self._weightsync_engine().release_adapters(lora_ids)
+
+    def weightsync_restore_adapters(self) -> None:
+        """Add back the adapters vLLM dropped when it reloaded the base weights."""
+        self._weightsync_engine().restore_adapters()
+
     def weightsync_last_stats(self) -> dict[str, float]:
         """What the last update moved (tensors, bytes, seconds)."""
         return dict(self._weightsync_engine().last_stats)

@@ -12,7 +12,9 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync_core import CheckpointEngineConfig, WeightSyncError
+from weightsync_core.api.config import ADAPTER_KEEP
 from weightsync_core.spi import default_host
+from weightsync_vllm.adapter_requests import ServedAdapters
 from weightsync_vllm.stage_arguments import plain_arguments
 
 __all__ = ["VLLMRolloutWorkerBase", "default_engine_args", "one_per_rank"]
@@ -46,6 +48,14 @@ class VLLMRolloutWorkerBase:
     :meth:`weights_status` reports the update incomplete and :meth:`generate` refuses to serve
     until a sync succeeds (vLLM's model holds a mix of versions then; weightsync's engine has
     ended vLLM's reload cleanly, so vLLM itself keeps running).
+
+    LoRA adapter syncs (``update_weights(..., adapter=spec)``, from weightsync's
+    ``CheckpointEngineManager.update_adapter``) add a version of the adapter beside those
+    vLLM serves, in memory, without vLLM's weight-update calls and without a pause; the
+    engine needs ``enable_lora=True`` and ``max_cpu_loras`` of at least ``adapter_versions
+    + 1`` per adapter name (``engine_args``). :meth:`generate` serves on a version the
+    engine holds (``adapter=(name, version)``); a version the manager drops stays in vLLM
+    until the requests in flight on it end.
 
     Args:
         config: how weights reach this worker (backend, timeout, verification, ...).
@@ -94,6 +104,8 @@ class VLLMRolloutWorkerBase:
         self.last_updates: list[dict[str, float]] = []
         """What the last complete update moved into each vLLM worker, in rank order."""
         self._serving = asyncio.Lock()  # generation and weight updates take turns
+        self.adapters = ServedAdapters()
+        """The LoRA adapter versions requests may name, and those in use."""
 
     _worker_extension: ClassVar[str] = "weightsync_vllm.extension.WeightsyncWorkerExtension"
     """vLLM's ``worker_extension_cls``: how the actor reaches weightsync in vLLM's workers
@@ -121,9 +133,10 @@ class VLLMRolloutWorkerBase:
         worker ran it)."""
         return (await self._rpc_all(method, **kwargs))[0]
 
-    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
-                      ) -> list[list[int]]:
-        """The token ids vLLM samples for each prompt with its ``SamplingParams``."""
+    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any],
+                      lora_request: Any = None) -> list[list[int]]:
+        """The token ids vLLM samples for each prompt with its ``SamplingParams`` (on the
+        LoRA of ``lora_request``, a ``LoRARequest`` of a version held, if given)."""
         raise NotImplementedError
 
     async def _engine_paused(self, paused: bool) -> None:
@@ -160,7 +173,11 @@ class VLLMRolloutWorkerBase:
         self._check_single_rank(f"execute_checkpoint_engine({method!r})")
         await self._ensure_transfer_engine()
         # plain data: vLLM's processes pass it as MessagePack (no torch.dtype in kimi's plan)
-        return await self._rpc("weightsync_call", method=method, kwargs=plain_arguments(kwargs))
+        result = await self._rpc("weightsync_call", method=method,
+                                 kwargs=plain_arguments(kwargs))
+        if method == ADAPTER_KEEP:
+            await self._take_adapter_status()
+        return result
 
     async def execute_checkpoint_engine_per_rank(
         self, method: str, per_rank_kwargs: list[dict[str, Any]]
@@ -177,27 +194,75 @@ class VLLMRolloutWorkerBase:
         await self._ensure_transfer_engine()
         results = await self._rpc_all("weightsync_call_per_rank", method=method,
                                       per_rank_kwargs=plain_arguments(per_rank_kwargs))
+        if method == ADAPTER_KEEP:
+            await self._take_adapter_status()
         return one_per_rank(results)
 
     async def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         delta_base: str | None = None, delta_version: str | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """Receive one version of the weights into vLLM's model through vLLM's
         weight-transfer calls, with weightsync as the engine (an engine of one vLLM worker;
-        see :meth:`update_weights_per_rank`)."""
+        see :meth:`update_weights_per_rank`). With ``adapter`` (an adapter sync: the
+        adapter's spec as plain data), version ``global_steps`` of that LoRA adapter instead
+        (:meth:`update_adapter_per_rank`)."""
         self._check_single_rank("update_weights")
+        if adapter is not None:
+            return (await self._update_adapter(global_steps, adapter, delta_base,
+                                               delta_version))[0]
         return (await self._update(global_steps, allow_manifest_change, delta_base,
                                    delta_version))[0]
 
     async def update_weights_per_rank(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         delta_base: str | None = None, delta_version: str | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> Any:
         """:meth:`update_weights`, every vLLM worker receiving as a rank of its own; each
         worker's figures in rank order (as :meth:`execute_checkpoint_engine_per_rank`)."""
+        if adapter is not None:
+            return await self.update_adapter_per_rank(global_steps, adapter, delta_base,
+                                                      delta_version)
         return one_per_rank(await self._update(global_steps, allow_manifest_change,
                                                 delta_base, delta_version))
+
+    async def update_adapter_per_rank(
+        self, global_steps: int | None, adapter: dict[str, Any],
+        delta_base: str | None = None, delta_version: str | None = None,
+    ) -> Any:
+        """Receive version ``global_steps`` of the LoRA adapter ``adapter`` into every vLLM
+        worker, each a rank of the sync (not through vLLM's weight-update calls, which
+        reload the model; nothing paused: the versions served keep serving). Requests may
+        name the version once every worker holds it. Each worker's figures in rank
+        order."""
+        return one_per_rank(await self._update_adapter(global_steps, adapter, delta_base,
+                                                       delta_version))
+
+    async def _update_adapter(
+        self, global_steps: int | None, adapter: dict[str, Any],
+        delta_base: str | None, delta_version: str | None,
+    ) -> list[dict[str, float]]:
+        await self._ensure_transfer_engine()
+        stats = await self._rpc_all(
+            "weightsync_update_adapter", global_steps=global_steps, adapter=adapter,
+            lora_id=self.adapters.new_id(), delta_base=delta_base,
+            delta_version=delta_version)
+        await self._take_adapter_status()
+        return stats
+
+    async def _take_adapter_status(self) -> None:
+        """Learn which adapter versions every vLLM worker holds (those requests may name),
+        and let vLLM go of the dropped ones no request in flight uses."""
+        self.adapters.take(await self._rpc_all("weightsync_adapter_status"))
+        await self._release_adapters()
+
+    async def _release_adapters(self) -> None:
+        releasable = self.adapters.releasable()
+        if releasable:
+            self.adapters.still_retired(
+                await self._rpc_all("weightsync_release_adapters", lora_ids=releasable))
 
     async def _update(
         self, global_steps: int | None, allow_manifest_change: bool,
@@ -212,6 +277,7 @@ class VLLMRolloutWorkerBase:
                 "delta_base": delta_base, "delta_version": delta_version,
             })
             await self._rpc("finish_weight_update")
+            await self._rpc("weightsync_restore_adapters")  # vLLM dropped them
             self.weights_version = global_steps
             self.update_complete = True
         stats = await self._rpc_all("weightsync_last_stats")
@@ -226,8 +292,11 @@ class VLLMRolloutWorkerBase:
         return dict(self.last_updates[worker]) if self.last_updates else {}
 
     def weights_status(self) -> dict[str, Any]:
-        """``{"version": ..., "complete": ...}`` of the weights this worker serves."""
-        return {"version": self.weights_version, "complete": self.update_complete}
+        """``{"version": ..., "complete": ..., "adapters": ...}`` of the weights this worker
+        serves (``adapters``: per LoRA adapter name, the versions requests may name, oldest
+        first)."""
+        return {"version": self.weights_version, "complete": self.update_complete,
+                "adapters": self.adapters.versions()}
 
     async def weights_status_of_rank(self, rank: int) -> dict[str, Any]:
         """What vLLM worker ``rank`` serves (a
@@ -237,11 +306,20 @@ class VLLMRolloutWorkerBase:
         return self.weights_status()
 
     async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
         """Sample exactly ``response_length`` tokens after each row of ``prompt_ids``
         (``[batch, prompt_length]``); ``temperature`` 0 is greedy. Returns
-        ``[batch, response_length]`` token ids."""
+        ``[batch, response_length]`` token ids. ``adapter``: ``(name, version)`` of a LoRA
+        adapter version this engine holds (:meth:`weights_status`'s ``adapters``) to serve
+        on; None: the base model.
+
+        Raises:
+            WeightSyncError: the last weight update did not complete, the replica is
+                paused, or it holds no such adapter version (refused before vLLM sees the
+                request: vLLM would try to load it from disk, and its engine would die).
+        """
         from vllm import SamplingParams
 
         async with self._serving:
@@ -252,7 +330,12 @@ class VLLMRolloutWorkerBase:
                 detokenize=False,
             ) for index in range(prompt_ids.shape[0])]
             prompts = [self._prompt(row) for row in prompt_ids]
-            tokens = await self._sample(prompts, params)
+            lora = self.adapters.request(adapter)
+            try:
+                tokens = await self._sample(prompts, params, lora)
+            finally:
+                self.adapters.finished(lora)
+                await self._release_adapters()
         return torch.tensor(tokens, dtype=prompt_ids.dtype)
 
     def _prompt(self, token_ids: torch.Tensor) -> dict[str, Any]:
@@ -292,6 +375,7 @@ class VLLMRolloutWorkerBase:
         baseline."""
         async with self._serving:
             await self._rpc("reload_weights", weights_path=directory)
+            await self._rpc("weightsync_restore_adapters")  # vLLM dropped them
 
     async def release_kv_cache(self) -> None:
         """Nothing: the KV cache stays allocated during a sync (vLLM frees it only through

@@ -87,10 +87,12 @@ class VLLMWorkerGroup:
 
     def update_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
-        **delta: str | None,
+        **options: Any,
     ) -> list[Any]:
+        """A sync's transfer on every rank (``options``: ``delta_base``, ``delta_version``;
+        ``adapter`` for a LoRA adapter sync: the actors' ``update_weights_per_rank``)."""
         return self._per_rank("update_weights_per_rank", global_steps, allow_manifest_change,
-                              **delta)
+                              **options)
 
     def stage_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,

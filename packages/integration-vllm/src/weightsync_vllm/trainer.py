@@ -26,8 +26,9 @@ CPU_KV_CACHE_GIB = "1"
 large share of the machine's memory per engine)."""
 
 
-_saved_models: dict[tuple[Any, ...], str] = {}
-"""Directories already written by :func:`save_initial_model`, by model config."""
+_saved_models: dict[str, str] = {}
+"""Directories already written by :func:`save_initial_model`, by model config (its
+``repr``: the config holds lists)."""
 
 
 def save_initial_model(config: ModelConfig) -> str:
@@ -36,12 +37,34 @@ def save_initial_model(config: ModelConfig) -> str:
     per model config, however many replicas start on it)."""
     if config.path is not None:
         return config.path
-    key = dataclasses.astuple(config)
+    key = repr(dataclasses.astuple(config))
     if key not in _saved_models:
         directory = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
         build_policy_model(config).save_pretrained(directory)
         _saved_models[key] = directory
     return _saved_models[key]
+
+
+def lora_engine_args(config: ExperimentConfig) -> dict[str, Any]:
+    """vLLM's engine arguments for a LoRA actor's adapters (``model.lora_rank`` > 0): LoRA
+    on, of that rank, room for the versions each replica keeps and the one a sync adds;
+    none otherwise."""
+    rank = config.model.lora_rank
+    if not rank:
+        return {}
+    versions = config.rollout.checkpoint_engine.adapter_versions
+    return {"enable_lora": True, "max_lora_rank": _vllm_lora_rank(rank), "max_loras": 1,
+            "max_cpu_loras": versions + 1}
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes (it accepts a few sizes only) that holds
+    adapters of ``rank``."""
+    return next((size for size in _VLLM_LORA_RANKS if size >= rank), rank)
+
+
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32's ``LoRAConfig`` accepts."""
 
 
 class VLLMRolloutReplica(HFRolloutReplica):
@@ -59,6 +82,7 @@ class VLLMRolloutReplica(HFRolloutReplica):
         workers = [
             remote.remote(
                 config.rollout.checkpoint_engine, model_path,
+                engine_args=lora_engine_args(config),
                 temperature=config.rollout.temperature,
                 env={"VLLM_CPU_KVCACHE_SPACE": CPU_KV_CACHE_GIB},
             )

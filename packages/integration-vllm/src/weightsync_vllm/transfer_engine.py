@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -31,10 +31,12 @@ from weightsync_core import (
     CheckpointEngineWorker,
     WeightSyncError,
 )
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread
 from weightsync_vllm.expected_weights import ExpectedWeights, expected_weights_of
+from weightsync_vllm.lora_store import LoRAStore
 from weightsync_vllm.prepared_switch import PreparedVLLMSwitch, ShadowModel
 from weightsync_vllm.reload import abandon_reload, finish_reload, start_reload
 from weightsync_vllm.rendezvous import Arguments, Joined, RendezvousMessage
@@ -103,7 +105,10 @@ class _ModelLoader:
     A worker of a tensor-parallel engine declares the slices it needs (:meth:`weight_layout`)
     to backends that deliver layouts, and rebuilds each received piece into a tensor of the
     checkpoint's shape for ``load_weights``, which keeps exactly that piece; from other
-    backends it takes every tensor whole (``takes_whole_weights``)."""
+    backends it takes every tensor whole (``takes_whole_weights``).
+
+    LoRA adapter syncs go to the engine's :class:`~weightsync_vllm.lora_store.LoRAStore`
+    (``check_adapter``, ``load_adapter``, ``drop_adapter``); the model is not touched."""
 
     takes_whole_weights = True
 
@@ -121,6 +126,21 @@ class _ModelLoader:
         expected = self.engine.expected_weights()
         if expected is not None and self._needed_boxes(expected) is None:
             expected.check(name, tensor)
+
+    def check_adapter(self, spec: AdapterSpec) -> None:
+        """Refuse an adapter vLLM cannot serve (:meth:`LoRAStore.check`)."""
+        self.engine.adapters.check(spec)
+
+    def load_adapter(self, spec: AdapterSpec, version: int,
+                     tensors: dict[str, torch.Tensor]) -> None:
+        """Add ``version`` of adapter ``spec.name`` to vLLM, in memory
+        (:meth:`LoRAStore.load`)."""
+        self.engine.adapters.load(spec, version, tensors)
+
+    def drop_adapter(self, name: str, version: int) -> None:
+        """Stop serving ``version`` of adapter ``name`` (:meth:`LoRAStore.drop`: vLLM lets
+        go of it once no request in flight uses it)."""
+        self.engine.adapters.drop(name, version)
 
     def weight_layout(self) -> LayoutSpec | None:
         """This worker's slices of a Qwen2/Llama model under tensor parallelism (None: every
@@ -224,6 +244,9 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             self.model_config, str(self.vllm_config.load_config.load_format)
         )
         self._loader = _ModelLoader(self)
+        self.adapters = LoRAStore(self._default_model,
+                                  lambda: self.worker.config.adapter_versions)
+        """The LoRA adapter versions this vLLM worker holds."""
         self._stage: concurrent.futures.Future[dict[str, float]] | None = None
         self.last_stats: dict[str, float] = {}
         """What the last update moved (``num_tensors``, ``nbytes``, ``seconds``, ...) and the
@@ -347,6 +370,43 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             raise
         finally:
             channel.close()
+
+    # -- LoRA adapters: added beside the versions served, the model untouched, vLLM serving
+    def update_adapter(self, global_steps: int, adapter: dict[str, Any], lora_id: int,
+                       delta_base: str | None = None, delta_version: str | None = None,
+                       ) -> dict[str, float]:
+        """Receive version ``global_steps`` of the LoRA adapter ``adapter`` (its
+        :class:`~weightsync_core.data.adapters.AdapterSpec` as plain data) over the
+        weightsync backend and add it to vLLM as LoRA ``lora_id``
+        (:meth:`CheckpointEngineWorker.update_weights` with ``adapter``); the versions
+        served and the model are left as they are, whatever fails."""
+        self.adapters.next_lora_id = lora_id
+        try:
+            return self._loop.run(self.worker.update_weights(
+                global_steps, False, delta_base, delta_version, adapter=adapter),
+                self._timeout())
+        finally:
+            self.adapters.next_lora_id = None
+
+    def adapter_status(self) -> dict[str, Any]:
+        """The adapter versions this worker holds, by LoRA id (:meth:`LoRAStore.status`)."""
+        return self._on_loop(self.adapters.status)
+
+    def release_adapters(self, lora_ids: list[int]) -> list[int]:
+        """Let vLLM go of those retired ``lora_ids`` (no request in flight uses them);
+        returns the ids still retired."""
+        return self._on_loop(lambda: self.adapters.release(lora_ids))
+
+    def restore_adapters(self) -> None:
+        """Add back the adapters vLLM dropped when it reloaded the base weights."""
+        self._on_loop(self.adapters.restore)
+
+    def _on_loop(self, call: Callable[[], T]) -> T:
+        """``call()`` on this engine's loop (where adapter syncs change the store)."""
+        async def run() -> T:
+            return call()
+
+        return self._loop.run(run(), _STAGE_MARGIN_SECONDS)
 
     # -- staged updates: phase 1 in the background while vLLM serves, phase 2 under a pause
     def begin_stage(self, update_info: dict[str, Any]) -> None:

@@ -58,10 +58,10 @@ class VLLMRolloutWorker(VLLMRolloutWorkerBase):
         return await asyncio.to_thread(self._one_at_a_time, self._llm.collective_rpc, method,
                                        kwargs=kwargs)
 
-    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any]
-                      ) -> list[list[int]]:
+    async def _sample(self, prompts: list[dict[str, Any]], params: list[Any],
+                      lora_request: Any = None) -> list[list[int]]:
         outputs = await asyncio.to_thread(self._one_at_a_time, self._llm.generate, prompts,
-                                          params, use_tqdm=False)
+                                          params, use_tqdm=False, lora_request=lora_request)
         return [list(output.outputs[0].token_ids) for output in outputs]
 
     async def sleep(self) -> None:
