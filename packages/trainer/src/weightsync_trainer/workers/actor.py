@@ -35,6 +35,7 @@ from weightsync_trainer.workers.training import (
     TrainingWorker,
     full_parameters,
     local_parameters,
+    trainable_parameters,
 )
 
 __all__ = ["ActorWorker"]
@@ -92,14 +93,13 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         """The adapter's ``lora_A``/``lora_B`` parameters, gathered whole one at a time,
         under PEFT's state-dict names."""
         self.adapter_spec(name)
-        return adapter_parameters(full_parameters(self._built_model(), trainable_only=True))
+        return adapter_parameters(trainable_parameters(self._built_model()))
 
     def adapter_checksum(self) -> str:
         """Digest of the adapter's tensors (collective: call on every rank), as a replica's
         ``adapter_checksum`` of the version it holds takes it."""
         self.adapter_spec(ADAPTER_NAME)
-        return weights_digest(adapter_parameters(
-            full_parameters(self._built_model(), trainable_only=True)))
+        return weights_digest(adapter_parameters(trainable_parameters(self._built_model())))
 
     def weights_checksum(self) -> str:
         """Digest of the full weights (collective: call on every rank); of a LoRA policy,

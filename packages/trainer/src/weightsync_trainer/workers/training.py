@@ -7,18 +7,18 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from weightsync_core import load_custom_backend_module
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import TrainingWorkerConfig
 
-__all__ = ["TrainingWorker", "full_parameters", "local_parameters"]
+__all__ = ["TrainingWorker", "full_parameters", "local_parameters", "trainable_parameters"]
 
 _GROUP_TIMEOUT = timedelta(minutes=5)
 
@@ -38,6 +38,51 @@ def full_parameters(model: torch.nn.Module, trainable_only: bool = False
             continue
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, tensor.detach()
+
+
+def trainable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` of each parameter that trains (a LoRA adapter's), all gathered
+    in one collective: each rank's rows of every such parameter (FSDP2's ``Shard(0)`` over
+    all ranks) in one flat buffer, one ``all_gather``. A collective per small tensor, as
+    :func:`full_parameters` makes, costs more than the bytes. Every rank must call it in
+    step. Parameters sharded otherwise (or of several dtypes) are gathered one at a time."""
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 or not all(_row_sharded(param, world) for _, param in named) or len(
+            {param.dtype for _, param in named}) != 1:
+        yield from full_parameters(model, trainable_only=True)
+        return
+    sizes = [[_rows_of(rank, param.shape[0], world) * (param.numel() // param.shape[0])
+              for _, param in named] for rank in range(world)]
+    longest = max(map(sum, sizes))
+    mine = torch.cat([cast(DTensor, param).to_local().detach().reshape(-1)
+                      for _, param in named])
+    flat = torch.zeros(longest, dtype=mine.dtype)
+    flat[:mine.numel()] = mine
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    starts = [0] * world
+    for index, (name, param) in enumerate(named):
+        pieces = []
+        for source in range(world):
+            size = sizes[source][index]
+            pieces.append(gathered[source][starts[source]:starts[source] + size])
+            starts[source] += size
+        yield name, torch.cat(pieces).reshape(param.shape)
+
+
+def _row_sharded(param: torch.nn.Parameter, world: int) -> bool:
+    """Whether ``param`` is FSDP2's ``Shard(0)`` of a tensor over ``world`` ranks."""
+    return (isinstance(param, DTensor) and param.dim() > 0
+            and param.device_mesh.size() == world
+            and tuple(param.placements) == (Shard(0),))
+
+
+def _rows_of(rank: int, rows: int, world: int) -> int:
+    """How many of ``rows`` rows ``rank`` holds under ``Shard(0)`` (``torch.chunk``'s
+    split: ceil(rows / world) per rank, the last ones short or empty)."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk))
 
 
 def local_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
