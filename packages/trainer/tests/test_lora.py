@@ -72,6 +72,13 @@ def test_replica_serves_two_versions_side_by_side_as_peft_does():
         assert server.adapters.held() == {"policy": [2]}
         server.adapters.activate(("policy", 2))
         assert torch.equal(_logits(server.model), _logits(policies[2][0]))
+        # version 3 is copied into the adapter version 1 left (no new PEFT layers)
+        layers = sum(1 for _ in server.model.modules())
+        await server.load_adapter(spec, 3, policies[1][1])
+        assert sum(1 for _ in server.model.modules()) == layers
+        for version, policy in ((3, policies[1][0]), (2, policies[2][0])):
+            server.adapters.activate(("policy", version))
+            assert torch.equal(_logits(server.model), _logits(policy))
 
     asyncio.run(serve())
 

@@ -21,6 +21,10 @@ _PEFT_PREFIX = "base_model.model."
 class ServedAdapters:
     """Versions of LoRA adapters of one model, each a PEFT adapter injected into it.
 
+    A dropped version's PEFT adapter is kept as the spare of its spec (one per spec), and
+    the next version of that spec is copied into it: after the first syncs, a load is a copy
+    of the adapter's bytes, not PEFT's injection (new layers built and initialised).
+
     Not thread-safe: the server calls every method on the one thread that runs its requests,
     so that a load or a drop never changes the model under a request.
     """
@@ -29,6 +33,10 @@ class ServedAdapters:
         self.model = model
         self._served: dict[tuple[str, int], str] = {}
         """``(adapter name, version)`` -> the PEFT adapter holding it."""
+        self._specs: dict[str, AdapterSpec] = {}
+        """Each PEFT adapter's spec."""
+        self._spare: dict[AdapterSpec, str] = {}
+        """Per spec, a PEFT adapter that serves no version, to copy the next one into."""
         self._loads = itertools.count()
 
     def check(self, spec: AdapterSpec) -> None:
@@ -56,13 +64,27 @@ class ServedAdapters:
         Raises:
             ValueError: a tensor does not fit the model's adapter layers (nothing changed).
         """
+        state = {name.removeprefix(_PEFT_PREFIX): tensor for name, tensor in tensors.items()}
+        spare = self._spare.get(spec)
+        if spare is not None:
+            self._fill(spare, state, spec, version)  # raises before copying anything
+            del self._spare[spec]
+            self._serve(spec, version, spare)
+            return
+        self._serve(spec, version, self._inject(spec, version, state))
+
+    def _inject(self, spec: AdapterSpec, version: int, state: dict[str, torch.Tensor]) -> str:
+        """A new PEFT adapter of ``spec`` holding ``state``; its name.
+
+        Raises:
+            ValueError: ``state`` does not fit (the adapter is removed again).
+        """
         from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
 
         key = f"{spec.name}-v{version}-{next(self._loads)}"
         # PEFT types lora_alpha an int; a float scales by alpha / r all the same
         config = LoraConfig(r=spec.rank, lora_alpha=cast(Any, spec.alpha),
                             target_modules=list(spec.target_modules), lora_dropout=0.0)
-        state = {name.removeprefix(_PEFT_PREFIX): tensor for name, tensor in tensors.items()}
         try:
             with warnings.catch_warnings():  # each version is one more adapter, on purpose
                 warnings.filterwarnings("ignore", "Already found a `peft_config`")
@@ -77,16 +99,55 @@ class ServedAdapters:
         except BaseException:
             self._delete(key)
             raise
+        self._specs[key] = spec
+        return key
+
+    def _fill(self, key: str, state: dict[str, torch.Tensor], spec: AdapterSpec,
+              version: int) -> None:
+        """Copy ``state`` into PEFT adapter ``key``, every tensor checked first.
+
+        Raises:
+            ValueError: ``state`` does not fit the adapter (nothing copied).
+        """
+        slot = self._parameters(key)
+        unfit = sorted(set(slot) ^ set(state)) or sorted(
+            name for name, tensor in state.items() if tensor.shape != slot[name].shape)
+        if unfit:
+            raise ValueError(f"version {version} of adapter {spec.name!r} does not fit the "
+                             f"rollout model: {unfit[:3]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                slot[name].copy_(tensor)
+
+    def _parameters(self, key: str) -> dict[str, torch.nn.Parameter]:
+        """PEFT adapter ``key``'s ``lora_A``/``lora_B`` weights, by state-dict name."""
+        from peft.tuners.lora import LoraLayer
+
+        return {f"{path}.lora_{side}.weight": getattr(module, f"lora_{side}")[key].weight
+                for path, module in self.model.named_modules()
+                if isinstance(module, LoraLayer) and key in module.lora_A for side in "AB"}
+
+    def _serve(self, spec: AdapterSpec, version: int, key: str) -> None:
+        """Serve ``version`` of ``spec`` from PEFT adapter ``key`` (the one that served it
+        before, if any, retired)."""
         replaced = self._served.get((spec.name, version))
         self._served[(spec.name, version)] = key
         if replaced is not None:
-            self._delete(replaced)
+            self._retire(replaced)
 
     def drop(self, name: str, version: int) -> None:
         """Stop serving ``version`` of adapter ``name`` (nothing where it is not held)."""
         key = self._served.pop((name, version), None)
         if key is not None:
+            self._retire(key)
+
+    def _retire(self, key: str) -> None:
+        """PEFT adapter ``key`` serves no version: the spare of its spec, or removed."""
+        spec = self._specs[key]
+        if spec in self._spare:
             self._delete(key)
+        else:
+            self._spare[spec] = key
 
     def tensors(self, name: str, version: int) -> dict[str, torch.Tensor]:
         """``version`` of adapter ``name`` as it serves it, under PEFT's state-dict names
@@ -135,6 +196,7 @@ class ServedAdapters:
 
     def _delete(self, key: str) -> None:
         """Remove PEFT adapter ``key`` from every layer (where it was injected)."""
+        self._specs.pop(key, None)
         for layer in self._layers():
             if key in layer.lora_A:
                 with warnings.catch_warnings():  # every request activates its own version
