@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from weightsync_trainer.config_loader import load_config
-from weightsync_trainer.task_runner import TaskRunner
+from weightsync_trainer.task_runner import run_and_shut_down
 
 __all__ = ["main", "run_async_bench"]
 
@@ -25,12 +25,7 @@ Rows = list[dict[str, float]]
 
 
 def _run(overrides: list[str]) -> Rows:
-    runner = TaskRunner(load_config(overrides=overrides))
-    try:
-        return runner.run()
-    finally:
-        if runner.trainer is not None:
-            runner.trainer.shutdown()
+    return run_and_shut_down(load_config(overrides=overrides))
 
 
 def _mean_reward(rows: Rows) -> float:

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 from weightsync_core import run_sync
 from weightsync_trainer.config_loader import load_config
 from weightsync_trainer.lora import ADAPTER_NAME
-from weightsync_trainer.task_runner import TaskRunner
+from weightsync_trainer.task_runner import run_and_shut_down
 from weightsync_trainer.trainer import RayPPOTrainer
 
 __all__ = ["main", "run_reward_curves", "run_sync_bench"]
@@ -83,12 +83,7 @@ def run_sync_bench(overrides: list[str], rounds: int) -> dict[str, Any]:
 
 
 def _run(overrides: list[str]) -> Rows:
-    runner = TaskRunner(load_config(overrides=overrides))
-    try:
-        return runner.run()
-    finally:
-        if runner.trainer is not None:
-            runner.trainer.shutdown()
+    return run_and_shut_down(load_config(overrides=overrides))
 
 
 def run_reward_curves(lora: list[str], steps: int) -> dict[str, Rows]:

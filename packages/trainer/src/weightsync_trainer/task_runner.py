@@ -7,7 +7,7 @@ from typing import Any
 from weightsync_trainer.config import ExperimentConfig
 from weightsync_trainer.trainer import RayPPOTrainer, StepCallback
 
-__all__ = ["TaskRunner"]
+__all__ = ["TaskRunner", "run_and_shut_down"]
 
 
 class TaskRunner:
@@ -48,3 +48,14 @@ class TaskRunner:
         """Build the trainer (kept in :attr:`trainer`) and train; returns per-step metrics."""
         self.trainer = self.build_trainer()
         return self.trainer.run(on_step)
+
+
+def run_and_shut_down(config: ExperimentConfig) -> list[dict[str, float]]:
+    """Run the experiment ``config`` describes to its end and stop every worker it started
+    (also when it fails); its per-step metrics (the benchmarks' runs)."""
+    runner = TaskRunner(config)
+    try:
+        return runner.run()
+    finally:
+        if runner.trainer is not None:
+            runner.trainer.shutdown()
