@@ -23,13 +23,13 @@ from vllm_sync_support import running_rollout, sync_config
 from vllm_test_actors import LoRASource
 
 from weightsync_core import (
+    AdapterSpec,
     CheckpointEngineManager,
     RayRolloutReplica,
     RayWorkerGroup,
     SyncStageError,
     WeightSyncError,
 )
-from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.testing.weights import Faults
 from weightsync_vllm import AsyncVLLMRolloutWorker, VLLMReplica, VLLMRolloutWorker
 from weightsync_vllm.adapter_requests import ServedAdapters

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec
 from weightsync_core.testing.actors import corrupt_bucket_checksum
 from weightsync_core.testing.weights import Faults, faulty_stream
 from weightsync_vllm.async_worker import AsyncVLLMRolloutWorker

@@ -35,7 +35,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from weightsync_core import _old_paths
-from weightsync_core.api.config import CheckpointEngineConfig
+from weightsync_core.api.config import ADAPTER_KEEP, CheckpointEngineConfig
 from weightsync_core.api.conversion import ConversionError, convert
 from weightsync_core.api.engine import (
     CheckpointEngine,
@@ -44,6 +44,7 @@ from weightsync_core.api.engine import (
     TransferStats,
 )
 from weightsync_core.api.errors import (
+    AdapterMismatchError,
     BackendLoadError,
     BackendNotFoundError,
     BackendNotInstalledError,
@@ -73,6 +74,7 @@ from weightsync_core.api.protocols import (
 )
 from weightsync_core.api.registry import BackendInfo, BackendState, CheckpointEngineRegistry
 from weightsync_core.api.session_key import new_session_key
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.bucketing import (
     BucketMeta,
     BucketPacker,
@@ -143,7 +145,10 @@ def load_checkpoint_manager_class(qualified_name: str | None) -> type[Checkpoint
 
 
 __all__ = [
+    "ADAPTER_KEEP",
     "ActorCheckpointEngineMixin",
+    "AdapterMismatchError",
+    "AdapterSpec",
     "BackendInfo",
     "BackendLoadError",
     "BackendNotFoundError",

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core import WeightSyncError
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec, WeightSyncError
 from weightsync_vllm.vllm_lora import (
     add_lora,
     build_lora,

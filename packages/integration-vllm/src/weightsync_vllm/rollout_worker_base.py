@@ -11,8 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync_core import CheckpointEngineConfig, WeightSyncError
-from weightsync_core.api.config import ADAPTER_KEEP
+from weightsync_core import ADAPTER_KEEP, CheckpointEngineConfig, WeightSyncError
 from weightsync_core.spi import default_host
 from weightsync_vllm.adapter_requests import ServedAdapters
 from weightsync_vllm.stage_arguments import plain_arguments

@@ -27,11 +27,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync_core import (
+    AdapterSpec,
     CheckpointEngineConfig,
     CheckpointEngineWorker,
     WeightSyncError,
 )
-from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.shards import Layout, LayoutSpec, resolve_layout
 from weightsync_core.spi import ControlChannel, default_host
 from weightsync_vllm.event_loop import EventLoopThread

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec
 
 __all__ = [
     "LoRALimits",

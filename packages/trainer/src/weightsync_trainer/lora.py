@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec
 from weightsync_trainer.config import ModelConfig
 
 __all__ = [

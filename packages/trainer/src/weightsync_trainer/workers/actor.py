@@ -10,8 +10,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
-from weightsync_core import ActorCheckpointEngineMixin, CheckpointEngineRegistry, WeightsSource
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import (
+    ActorCheckpointEngineMixin,
+    AdapterSpec,
+    CheckpointEngineRegistry,
+    WeightsSource,
+)
 from weightsync_core.data.shards import (
     LayoutSpec,
     fsdp_first_expert,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec
 from weightsync_core.data.quantization import (
     dequantize_fp8_block,
     dequantized,

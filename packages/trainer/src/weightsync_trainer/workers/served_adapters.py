@@ -10,8 +10,7 @@ from typing import Any, cast
 
 import torch
 
-from weightsync_core import WeightSyncError
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec, WeightSyncError
 
 __all__ = ["ServedAdapters"]
 

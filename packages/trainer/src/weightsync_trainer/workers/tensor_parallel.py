@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from weightsync_core.data.adapters import AdapterSpec
+from weightsync_core import AdapterSpec
 from weightsync_core.data.shards import (
     DecoderShape,
     Layout,
