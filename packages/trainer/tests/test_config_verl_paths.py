@@ -246,8 +246,8 @@ def test_a_user_file_that_does_not_compose_is_named(tmp_path):
 def test_typos_name_the_full_key_with_did_you_mean(tmp_path):
     with pytest.raises(ConfigError, match=rf"unknown configuration key '{ENGINE}\.bakend'\. "
                                           rf"Did you mean {ENGINE}\.backend\? Valid keys "
-                                          rf"under {ENGINE}: backend, commit, "
-                                          "custom_backend_module"):
+                                          rf"under {ENGINE}: adapter_versions, backend, "
+                                          "commit, custom_backend_module"):
         load_config(overrides=[f"{ENGINE}.bakend=nixl"])
     # an old name misspelt suggests its new path
     with pytest.raises(ConfigError, match=r"Did you mean trainer.total_training_steps\?"):

@@ -170,10 +170,13 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         return self._optimize(loss_fn, input_ids.shape[0])
 
     async def generate(
-        self, prompt_ids: torch.Tensor, response_length: int, seed: int
+        self, prompt_ids: torch.Tensor, response_length: int, seed: int,
+        adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
-        """Colocated mode: sample from this rank's in-process rollout server."""
-        return await self._colocated_server().generate(prompt_ids, response_length, seed)
+        """Colocated mode: sample from this rank's in-process rollout server (``adapter``:
+        a LoRA adapter version it holds; colocated runs take none yet)."""
+        return await self._colocated_server().generate(prompt_ids, response_length, seed,
+                                                       adapter)
 
     async def abort_all_requests(self) -> None:
         """Colocated mode: pause the in-process rollout server for a weight sync."""
