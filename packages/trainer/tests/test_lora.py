@@ -103,7 +103,7 @@ def test_lora_configs_that_cannot_run_are_refused():
 
 
 @pytest.fixture(scope="module")
-def lora_run():
+def lora_run(tmp_path_factory):
     runner, rows = run_experiment([
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_replicas=2",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
@@ -119,6 +119,7 @@ def lora_run():
         "served": ray.get([worker.adapter_checksum.remote("policy", 4) for worker in workers]),
         "status": trainer.checkpoint_manager.adapter_status(),
         "versions": ray.get([worker.weights_status.remote() for worker in workers]),
+        "saved": trainer.save_weights(str(tmp_path_factory.mktemp("lora-weights"))),
     }
     trainer.shutdown()
     return report
@@ -139,3 +140,21 @@ def test_a_lora_run_syncs_only_the_adapter_and_every_replica_serves_the_actors(l
     assert lora_run["status"] == {"replica 0": {"policy": [3, 4]},
                                   "replica 1": {"policy": [3, 4]}}
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]
+
+
+def test_a_lora_policy_saves_its_base_and_its_adapter_as_peft_loads_them(lora_run):
+    from pathlib import Path
+
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from weightsync_trainer.checksum import weights_digest
+
+    directory = str(Path(lora_run["saved"]).parent)
+    base = AutoModelForCausalLM.from_pretrained(directory)
+    assert weights_digest(base.named_parameters()) == lora_run["checksums"]["actor"]
+    policy = PeftModel.from_pretrained(base, f"{directory}/adapter")
+    saved = {f"base_model.model.{name.removeprefix('base_model.model.')}": tensor
+             for name, tensor in get_peft_model_state_dict(policy).items()
+             if name.endswith((".lora_A.weight", ".lora_B.weight"))}
+    assert weights_digest(saved.items()) == lora_run["actor_adapter"]

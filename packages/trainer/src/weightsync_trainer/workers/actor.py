@@ -31,6 +31,7 @@ from weightsync_trainer.lora import (
     adapter_parameters,
     adapter_spec,
     base_parameters,
+    lora_config,
     with_adapter,
 )
 from weightsync_trainer.modeling import build_policy_model, response_log_probs
@@ -195,19 +196,29 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
 
     def save_weights(self, directory: str) -> str | None:
         """Write ``model.safetensors`` and ``config.json`` (loadable with
-        ``from_pretrained``) into ``directory``. Collective: every rank gathers each tensor in
-        turn, rank 0 keeps them and writes; returns the file path on rank 0."""
+        ``from_pretrained``) into ``directory``; of a LoRA policy, its base there and its
+        adapter in ``directory/adapter`` as PEFT saves one (``adapter_model.safetensors``,
+        ``adapter_config.json``: ``PeftModel.from_pretrained``). Collective: every rank gathers
+        each tensor in turn, rank 0 keeps them and writes; returns the file path on rank 0."""
         model = self._built_model()
         tensors = {
             name: tensor.contiguous().clone()
-            for name, tensor in full_parameters(model)
+            for name, tensor in base_parameters(full_parameters(model))
             if self.rank == 0
         }
+        lora = self.config.model.lora_rank > 0
+        adapter = ({name: tensor.contiguous().clone() for name, tensor in
+                    adapter_parameters(trainable_parameters(model))} if lora else {})
         if self.rank != 0:
             return None
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        if lora:  # in a folder of its own: transformers loads an adapter found beside
+            (path / "adapter").mkdir(exist_ok=True)
+            save_file(adapter, str(path / "adapter" / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+            lora_config(self.config.model).save_pretrained(str(path / "adapter"))
         config = getattr(model, "config", None)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
