@@ -6,11 +6,22 @@ import pytest
 import torch
 
 from weightsync_core.api.errors import AdapterMismatchError
-from weightsync_core.data.adapters import AdapterSpec, adapter_tensors_of
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.orchestration.adapter_ledger import AdapterLedger
 from weightsync_core.testing.weights import make_adapter
 
 SPEC = AdapterSpec("policy", 8, 16, ("v_proj", "q_proj"))
+
+
+def adapter_tensors_of(named, spec):
+    """``named`` as a dict, every tensor checked against ``spec`` as a receiver checks them."""
+    check = spec.tensor_check()
+    tensors = {}
+    for name, tensor in named:
+        check.check(name, tensor)
+        tensors[name] = tensor
+    check.finish()
+    return tensors
 
 
 def test_spec_is_plain_data_and_sorted():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from weightsync_core.api.errors import AdapterMismatchError
 
-__all__ = ["AdapterSpec", "AdapterTensorCheck", "adapter_tensors_of"]
+__all__ = ["AdapterSpec", "AdapterTensorCheck"]
 
 _LORA_TENSOR = re.compile(r"^(?P<path>.+\.(?P<module>[^.]+))\.lora_(?P<side>[AB])\.weight$")
 """A PEFT adapter tensor's name as ``get_peft_model_state_dict`` writes it
@@ -183,21 +183,4 @@ class AdapterTensorCheck:
                 raise AdapterMismatchError(
                     f"adapter {self.spec.name!r}: module {path!r} came with lora_{have} "
                     f"only; each target module needs both lora_A and lora_B")
-
-
-def adapter_tensors_of(named: Iterable[tuple[str, torch.Tensor]], spec: AdapterSpec
-                       ) -> dict[str, torch.Tensor]:
-    """``named`` as a dict, every tensor checked against ``spec``
-    (:class:`AdapterTensorCheck`).
-
-    Raises:
-        AdapterMismatchError: a tensor does not fit, or one is missing.
-    """
-    check = spec.tensor_check()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in named:
-        check.check(name, tensor)
-        tensors[name] = tensor
-    check.finish()
-    return tensors
 
