@@ -56,6 +56,13 @@ def test_peft_config_fields_and_what_servers_cannot_apply():
                                                           target_modules=".*proj"))
     with pytest.raises(ValueError, match="use_rslora"):
         AdapterSpec.from_peft_config("p", SimpleNamespace(**{**vars(config), "use_rslora": True}))
+    as_dict = {**vars(config), "target_modules": ["q_proj", "o_proj"]}  # LoraConfig.to_dict()
+    assert AdapterSpec.from_peft_config("p", as_dict) == AdapterSpec.from_peft_config("p", config)
+    resolved = {**as_dict, "target_modules": {"model.layers.0.self_attn.q_proj",
+                                              "model.layers.1.self_attn.q_proj", "o_proj"}}
+    assert AdapterSpec.from_peft_config("p", resolved) == AdapterSpec.from_peft_config("p", config)
+    with pytest.raises(ValueError, match="no lora_alpha"):
+        AdapterSpec.from_peft_config("p", {"r": 4, "target_modules": ["q_proj"]})
 
 
 def test_a_mismatch_names_both_sides_and_what_differs():

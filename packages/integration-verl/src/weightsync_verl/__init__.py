@@ -5,7 +5,8 @@ every installed weightsync backend in verl's ``CheckpointEngineRegistry`` as
 ``weightsync_<name>``; :class:`CheckpointEngineManager` is weightsync's manager for verl's
 ``checkpoint_manager_class``, and :class:`StagingCheckpointEngineWorker` verl's rollout
 worker that takes its staged syncs (``weightsync_verl.fully_async``: verl's fully-async
-trainer with both).
+trainer with both). It also makes verl's LoRA policies sync their adapter through weightsync
+backends, in both ways (:mod:`weightsync_verl.lora`: verl #7495).
 """
 
 from weightsync_verl.engines import (
@@ -16,6 +17,7 @@ from weightsync_verl.engines import (
     weightsync_backend_name,
 )
 from weightsync_verl.groups import VerlWorkerGroup, role_prefix
+from weightsync_verl.lora import install as install_lora_delivery
 from weightsync_verl.manager import CheckpointEngineManager, weightsync_config
 from weightsync_verl.staging import (
     StagingCheckpointEngineWorker,
@@ -29,6 +31,7 @@ __all__ = [
     "StagingCheckpointEngineWorker",
     "VerlWorkerGroup",
     "WeightsyncCheckpointEngine",
+    "install_lora_delivery",
     "register_backends",
     "role_prefix",
     "staging_replica_class",
@@ -40,3 +43,4 @@ __all__ = [
 
 REGISTERED_BACKENDS: list[str] = register_backends()
 """verl's names of the weightsync backends this import registered."""
+install_lora_delivery()

@@ -141,11 +141,14 @@ class CpuActorRolloutRefWorker(ActorRolloutRefWorker):
         )
 
     @register(dispatch_mode=_ONE_TO_ALL)
-    def perturb(self, step: int) -> None:
-        """Add step-seeded noise to this rank's shard of every floating parameter."""
+    def perturb(self, step: int, trainable_only: bool = False) -> None:
+        """Add step-seeded noise to this rank's shard of every floating parameter (only of
+        those that train, with ``trainable_only``: a LoRA policy's adapter)."""
         generator = torch.Generator().manual_seed(step * 1000 + torch.distributed.get_rank())
         with torch.no_grad():
             for parameter in self._training_engine.module.parameters():
+                if trainable_only and not parameter.requires_grad:
+                    continue
                 local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
                 if local.is_floating_point():
                     local.add_(torch.randn(local.shape, generator=generator) * 1e-3)
@@ -155,11 +158,14 @@ class CpuActorRolloutRefWorker(ActorRolloutRefWorker):
         """``{"digests": {name: digest}, "nbytes": bytes}`` of the full weights, as the
         engine exports them (every rank takes part in the gathers)."""
         exported, _ = self._export()
-        digests, nbytes = {}, 0
-        for name, tensor in exported:
-            digests[name] = digest(tensor)
-            nbytes += tensor.numel() * tensor.element_size()
-        return {"digests": digests, "nbytes": nbytes}
+        return _digests(exported)
+
+    @register(dispatch_mode=_ONE_TO_ALL)
+    def adapter_weights(self) -> dict[str, Any]:
+        """``{"digests": {name: digest}, "nbytes": bytes, "peft_config": {...}}`` of a LoRA
+        policy's adapter, as the engine exports it once the base is in place."""
+        exported, peft_config = self._export(base_sync_done=True)
+        return {**_digests(exported), "peft_config": peft_config}
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def fail_next_sync_after(self, tensors: int) -> None:
@@ -183,6 +189,15 @@ class CpuActorRolloutRefWorker(ActorRolloutRefWorker):
         return (exported if after is None else _failing(exported, after)), peft_config
 
 
+def _digests(exported: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """``{"digests": {name: digest}, "nbytes": bytes}`` of ``exported`` tensors."""
+    digests, nbytes = {}, 0
+    for name, tensor in exported:
+        digests[name] = digest(tensor)
+        nbytes += tensor.numel() * tensor.element_size()
+    return {"digests": digests, "nbytes": nbytes}
+
+
 def _failing(exported: Iterator[Any], after: int) -> Iterator[Any]:
     """``exported``, raising :class:`InjectedSenderFailure` after ``after`` items."""
     for index, item in enumerate(exported):
@@ -192,11 +207,12 @@ def _failing(exported: Iterator[Any], after: int) -> Iterator[Any]:
 
 
 def verl_trainer_config(model_path: str | Path, checkpoint_engine: dict[str, Any],
-                        world_size: int) -> DictConfig:
+                        world_size: int, overrides: Iterable[str] = ()) -> DictConfig:
     """verl's ``ppo_trainer`` configuration (its defaults, composed by Hydra as verl's
     ``main_ppo`` does) for a small run on CPU: ``model_path``'s model with FSDP2, the
-    :class:`RecordingRollout`, ``world_size`` ranks and the ``checkpoint_engine`` settings
-    given (``backend``, ``custom_backend_module``, ...)."""
+    :class:`RecordingRollout`, ``world_size`` ranks, the ``checkpoint_engine`` settings
+    given (``backend``, ``custom_backend_module``, ...) and further Hydra ``overrides``
+    (``actor_rollout_ref.model.lora_rank=4``)."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -215,6 +231,7 @@ def verl_trainer_config(model_path: str | Path, checkpoint_engine: dict[str, Any
         "data.train_batch_size=2",
         f"trainer.n_gpus_per_node={world_size}",
         "trainer.device=cpu",
+        *overrides,
     ]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)

@@ -35,7 +35,13 @@ from weightsync_core import (
     TransferStats,
     new_session_key,
 )
-from weightsync_core.spi import DeltaPlan, DeltaReceiver, DeltaSender, SpreadDeltaSender
+from weightsync_core.spi import (
+    DeltaPlan,
+    DeltaReceiver,
+    DeltaSender,
+    SpreadDeltaSender,
+    WeightSyncError,
+)
 
 __all__ = [
     "PREFIX",
@@ -48,6 +54,9 @@ __all__ = [
 PREFIX = "weightsync_"
 """verl's name of weightsync backend ``X`` is ``weightsync_X`` (verl's own ``nixl``,
 ``mooncake``, ``nccl`` keep their names)."""
+LORA_HEADER = "weightsync_verl.lora_header."
+"""The reserved prefix of the headers' names in a LoRA policy's sync
+(:mod:`weightsync_verl.lora`)."""
 _HELD = "delta_held"
 _SPREAD = "delta_spread"
 """The key of the version a process holds in its ``prepare()`` metadata (delta sync)."""
@@ -234,13 +243,27 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
     # verl annotates receive_weights as a coroutine returning a Generator; its engines (and
     # its CheckpointEngineWorker, which iterates with ``async for``) make it an async generator
     async def receive_weights(  # pyright: ignore[reportIncompatibleMethodOverride]
-        self, global_steps: int | None = None
+        self, global_steps: int | None = None, *, lora_sections: bool = False
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """The weightsync engine's received tensors (with delta sync, whole tensors rebuilt
-        from their patches), counted for :meth:`transfer_stats`."""
+        from their patches), counted for :meth:`transfer_stats`.
+
+        A LoRA policy's sync (:mod:`weightsync_verl.lora`) carries headers between its
+        sections, which only a receiver that splits them (``lora_sections``) may take.
+
+        Raises:
+            WeightSyncError: a LoRA sync arrived without ``lora_sections`` (a staging
+                worker's receive, which does not split one).
+        """
         self._stats = TransferStats()
         received = self.delta_receiver.received(self.engine, global_steps, self._plan)
         async for name, tensor in received:
+            if name.startswith(LORA_HEADER) and not lora_sections:
+                raise WeightSyncError(
+                    "a LoRA policy's sync (base and adapter sections) arrived at a worker "
+                    "that loads every tensor as a weight: staging workers "
+                    "(StagingCheckpointEngineWorker, use_staging_replicas) do not take LoRA "
+                    "syncs; use verl's CheckpointEngineWorker replicas for a LoRA policy")
             self._stats.num_tensors += 1
             self._stats.nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -177,6 +177,10 @@ def _backend(config: CheckpointEngineConfig) -> str:
     return config.backend
 
 
+_LOADS_KEPT = 4
+"""How many loads a :class:`RecordingServerAdapter` keeps the record of."""
+
+
 class RecordingServerAdapter(BaseRollout):
     """verl's rollout interface, recording what each update delivered (digests)."""
 
@@ -185,6 +189,9 @@ class RecordingServerAdapter(BaseRollout):
         super().__init__(config, model_config, device_mesh=None)  # pyright: ignore[reportArgumentType]
         self.received: dict[str, str] = {}
         self.global_steps: list[int | None] = []
+        self.loads: list[dict[str, Any]] = []
+        """With ``recording``, the last loads: their tensors' digests and the ``peft_config``
+        and ``base_sync_done`` it came with (a LoRA policy's sync loads in sections)."""
         self.recording = True
         """Off, updates are consumed without digests (benchmarks time the transfer)."""
         self.refusing = 0
@@ -213,6 +220,10 @@ class RecordingServerAdapter(BaseRollout):
                 raise RuntimeError("the server refused the update (the scenario's fault)")
         self.received = received
         self.global_steps.append(kwargs.get("global_steps"))
+        if self.recording:
+            load = {"tensors": dict(received), "peft_config": kwargs.get("peft_config"),
+                    "base_sync_done": kwargs.get("base_sync_done")}
+            self.loads = [*self.loads[-_LOADS_KEPT + 1:], load]
 
 
 class _Recording:
@@ -247,7 +258,8 @@ class _Recording:
     def report(self) -> dict[str, Any]:
         """What the server holds (digests per tensor), and the versions it loaded."""
         recorder = self._recorder()
-        return {"received": recorder.received, "global_steps": recorder.global_steps}
+        return {"received": recorder.received, "global_steps": recorder.global_steps,
+                "loads": recorder.loads}
 
     def refuse_updates(self, count: int = 1) -> None:
         """Make the server fail its next ``count`` loads part-way."""

@@ -58,22 +58,29 @@ class AdapterSpec:
 
     @classmethod
     def from_peft_config(cls, name: str, config: Any) -> AdapterSpec:
-        """The spec of a PEFT ``LoraConfig`` (read by attribute: ``r``, ``lora_alpha``,
-        ``target_modules``; core does not import PEFT).
+        """The spec of a PEFT ``LoraConfig``, or of its ``to_dict()`` (read by attribute or
+        key: ``r``, ``lora_alpha``, ``target_modules``; core does not import PEFT). A target
+        PEFT resolved to a module's path (``all-linear`` becomes
+        ``model.layers.0.self_attn.q_proj``, ...) counts by its last name (``q_proj``).
 
         Raises:
-            ValueError: the config's targets are a regular expression (name them as a list)
-                or it scales by ``alpha / sqrt(rank)`` (``use_rslora``), which servers such
-                as vLLM do not apply.
+            ValueError: a key is missing, the config's targets are a regular expression
+                (name them as a list) or it scales by ``alpha / sqrt(rank)``
+                (``use_rslora``), which servers such as vLLM do not apply.
         """
-        targets = config.target_modules
+        fields = config if isinstance(config, Mapping) else vars(config)
+        missing = [key for key in ("r", "lora_alpha", "target_modules") if key not in fields]
+        if missing:
+            raise ValueError(f"adapter {name!r}: the PEFT config has no {', '.join(missing)}")
+        targets = fields["target_modules"]
         if isinstance(targets, str):
             raise ValueError(f"adapter {name!r}: target_modules is the pattern {targets!r}; "
                              "name the target modules as a list for an adapter sync")
-        if getattr(config, "use_rslora", False):
+        if fields.get("use_rslora", False):
             raise ValueError(f"adapter {name!r}: use_rslora scales by alpha/sqrt(r), which "
                              "the receiving servers do not apply; set use_rslora=False")
-        return cls(name, int(config.r), float(config.lora_alpha), tuple(targets))
+        return cls(name, int(fields["r"]), float(fields["lora_alpha"]),
+                   tuple(str(target).rsplit(".", 1)[-1] for target in targets))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AdapterSpec:
