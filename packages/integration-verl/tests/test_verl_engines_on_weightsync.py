@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import pytest
 
 from weightsync_core.testing import CheckpointEngineConformanceTests
+from weightsync_core.testing.profile import long_profile
 from weightsync_verl.actor_group import CPU_WORKER_ENV
 
 UCX_OVER_TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa"}
@@ -31,6 +32,27 @@ class _VerlEngineConformance(CheckpointEngineConformanceTests):
         return super().make_config(**{
             "custom_backend_module": f"weightsync_verl.{cls.backend}", **cls.config, **overrides
         })
+
+
+SUITE_SWITCH = "WEIGHTSYNC_VERL_ENGINE_SUITE"
+"""Set to 1 to run the whole suite on verl's engines: by default verl's NIXL engine is left
+out (about 5 min, and earlier runs saw a rollout worker of verl's engine stop answering in
+about one run of four: see docs/integrations/verl.md), and so are the slowest cases on verl's
+Mooncake engine (:data:`WHOLE_SUITE_ONLY`)."""
+
+WHOLE_SUITE_ONLY: dict[str, str] = {
+    case: f"a resource or fault case on verl's own engine (about 2 min in all, not ours to "
+          f"fix): {SUITE_SWITCH}=1 or the long profile runs it"
+    for case in ("test_soak_keeps_resources_flat_and_close_frees_every_port",
+                 "test_flood_of_junk_at_every_port_costs_bounded_memory_and_time",
+                 "test_slow_receiver_past_the_timeout_is_blamed",
+                 "test_frozen_receiver_is_blamed_within_the_timeout",
+                 "test_stalled_receiver_is_blamed_within_the_timeout",
+                 "test_outsider_can_neither_run_code_nor_join_and_syncs_stay_exact")
+} if os.environ.get(SUITE_SWITCH) != "1" and not long_profile() else {}
+"""The cases on verl's Mooncake engine that only the whole suite runs (its measured result,
+19 of 22 cases passing, is in docs/integrations/verl.md): weightsync's own engines run them
+in every run, in their packages."""
 
 
 class TestVerlMooncakeOnWeightsync(_VerlEngineConformance):
@@ -55,13 +77,8 @@ class TestVerlMooncakeOnWeightsync(_VerlEngineConformance):
         "test_tensor_several_times_the_bucket_size": "verl 0.9.1's Mooncake engine asserts "
             "that every tensor fits in one bucket",
         "test_corrupted_bucket_is_refused_and_blames_its_sender": UNCHECKED,
+        **WHOLE_SUITE_ONLY,
     }
-
-
-SUITE_SWITCH = "WEIGHTSYNC_VERL_ENGINE_SUITE"
-"""Set to 1 to run the suite on verl's NIXL engine (about 5 min): not in the default run, for
-time, and because earlier runs saw a rollout worker of verl's engine stop answering in about
-one run of four (see docs/integrations/verl.md)."""
 
 
 @pytest.mark.skipif(os.environ.get(SUITE_SWITCH) != "1",
