@@ -24,6 +24,7 @@ from weightsync_core import AdapterMismatchError, SyncStageError
 from weightsync_core.spi import WeightSyncError
 from weightsync_verl import CheckpointEngineManager
 from weightsync_verl.actor_group import make_actor_group, verl_trainer_config
+from weightsync_verl.fully_async import replicas_stage
 from weightsync_verl.lora import LoraHeader, deliver_sections
 from weightsync_verl.scenario import RecordingReplica, make_rollout
 
@@ -200,3 +201,15 @@ def test_staging_workers_refuse_a_lora_sync_naming_why(deployment, model_path) -
             ray.kill(worker)
         for group in pool.pgs or []:
             ray.util.remove_placement_group(group)
+
+
+@pytest.mark.parametrize(("overrides", "stage"), [
+    ((), True),
+    (LORA, False),
+    ((*LORA, "actor_rollout_ref.model.lora.merge=true"), True),  # merged: plain weights
+])
+def test_the_fully_async_rollouter_stages_unless_the_policy_is_lora(
+        model_path, overrides, stage) -> None:
+    config = verl_trainer_config(model_path, {"backend": "weightsync_gloo"}, world_size=1,
+                                 overrides=overrides)
+    assert replicas_stage(config) is stage

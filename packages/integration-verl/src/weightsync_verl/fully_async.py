@@ -15,7 +15,8 @@ where it names none, and its rollouter's replicas stage
 (:func:`~weightsync_verl.staging.use_staging_replicas`): the trainer's
 ``_fit_update_weights`` then moves each version into a stage on every rollout worker while
 the replicas keep generating, and pauses each (verl's ``abort_all_requests``, a partial
-rollout) only to load its stage.
+rollout) only to load its stage. A LoRA policy's replicas are verl's own, loading each
+adapter under a short pause (:func:`replicas_stage`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from verl.experimental.fully_async_policy import (
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.import_utils import load_class_from_fqn
 
+from weightsync_verl.lora import trains_unmerged_lora
 from weightsync_verl.manager import CheckpointEngineManager
 from weightsync_verl.staging import use_staging_replicas
 
@@ -95,12 +97,26 @@ class FullyAsyncTrainer(_VerlTrainer):
 
 class FullyAsyncRollouter(_VerlRollouter):
     """verl's ``FullyAsyncRollouter`` whose replicas' workers stage
-    (:class:`~weightsync_verl.staging.StagingCheckpointEngineWorker`)."""
+    (:class:`~weightsync_verl.staging.StagingCheckpointEngineWorker`), except for a LoRA
+    policy (:func:`replicas_stage`)."""
 
     async def init_workers(self) -> None:
-        """verl's, with the rollout's replica class made to stage first."""
-        use_staging_replicas(self.config.actor_rollout_ref.rollout.name)
+        """verl's, with the rollout's replica class made to stage first (not for a LoRA
+        policy)."""
+        if replicas_stage(self.config):
+            use_staging_replicas(self.config.actor_rollout_ref.rollout.name)
+        else:
+            print("[weightsync] fully-async rollouter: a LoRA policy's replicas load each "
+                  "adapter under a short pause (staged LoRA syncs are not built)")
         await super().init_workers()
+
+
+def replicas_stage(config: Any) -> bool:
+    """Whether the fully-async rollouter of verl config ``config`` builds staging replicas:
+    yes, unless the policy is an unmerged LoRA one, whose syncs (base once, then the
+    adapter: :mod:`weightsync_verl.lora`) staging workers refuse; its replicas are verl's
+    own, each sync's adapter loaded under a pause as short as the adapter is small."""
+    return not trains_unmerged_lora(config.actor_rollout_ref.model)
 
 
 _TrainerActor = ray.remote(**_actor_options(fully_async_trainer.FullyAsyncTrainer))(

@@ -155,14 +155,20 @@ def _plain(value: Any, where: str) -> Any:
                     "(plain data only)")
 
 
-def is_lora_policy(worker: Any) -> bool:
-    """Whether verl actor worker ``worker`` trains an unmerged LoRA adapter (its model
-    config's ``lora_rank > 0`` without ``lora.merge``)."""
-    actor = getattr(worker, "actor", None)
-    model_config = getattr(getattr(actor, "engine", None), "model_config", None)
-    if model_config is None or getattr(model_config, "lora_rank", 0) <= 0:
+def trains_unmerged_lora(model_config: Any) -> bool:
+    """Whether verl model config ``model_config`` (``actor_rollout_ref.model``, or a
+    training engine's ``HFModelConfig``) trains a LoRA adapter that syncs as one:
+    ``lora_rank > 0`` without ``lora.merge``."""
+    if model_config is None or (getattr(model_config, "lora_rank", 0) or 0) <= 0:
         return False
     return not (getattr(model_config, "lora", None) or {}).get("merge", False)
+
+
+def is_lora_policy(worker: Any) -> bool:
+    """Whether verl actor worker ``worker`` trains an unmerged LoRA adapter
+    (:func:`trains_unmerged_lora` of its training engine's model config)."""
+    actor = getattr(worker, "actor", None)
+    return trains_unmerged_lora(getattr(getattr(actor, "engine", None), "model_config", None))
 
 
 def lora_stream(engine: Any, with_base: bool, layered_summon: bool = False
