@@ -472,8 +472,6 @@ class ExperimentConfig:
         rollout = self.actor_rollout_ref.rollout
         why = ("the colocated backend 'naive' (no adapter syncs in the actor's process)"
                if engine.backend == "naive" else
-               f"the sharded backend {engine.backend!r} (adapter syncs go whole)"
-               if engine.backend.endswith("_sharded") else
                "tensor_model_parallel_size > 1 (the trainer's tensor-parallel replicas take "
                "no adapters)" if rollout.tensor_model_parallel_size > 1 else
                "trainer.async_rollout.enable=true (not built yet)"

@@ -809,15 +809,17 @@ class CheckpointEngineManager:
         every replica keeps its newest ``config.adapter_versions`` versions
         (:attr:`adapter_ledger`, :meth:`adapter_status`); a failed sync leaves each serving
         the versions it served. With ``config.delta``, an adapter sync sends patches
-        against the version every worker holds, as :meth:`update_weights` does.
+        against the version every worker holds, as :meth:`update_weights` does. Through a
+        backend that delivers layouts (the sharded ones) the adapter goes whole to every
+        worker (its server slices it, as vLLM's LoRA manager does), whatever the actor
+        ranks and the workers hold of the base weights.
 
         Metrics as :meth:`update_weights` (``staged`` 0), and ``adapter_versions`` (the
         versions each replica now keeps).
 
         Raises:
-            TypeError: the backend hands weights over inside the actor's process (``naive``)
-                or delivers layouts (the sharded backends): adapter syncs through them are
-                not built.
+            TypeError: the backend hands weights over inside the actor's process (``naive``):
+                adapter syncs through it are not built.
             ValueError: ``global_steps`` is not an integer (a request names the version).
             SyncStageError: as :meth:`update_weights`; stage ``check_adapter`` for a refused
                 spec (:class:`~weightsync_core.api.errors.AdapterMismatchError`'s message).
@@ -826,13 +828,11 @@ class CheckpointEngineManager:
 
     async def _update_adapter(self, global_steps: int, name: str, allow_change: bool
                               ) -> dict[str, float]:
-        if self.backend_cls.is_colocated or getattr(self.backend_cls, "executes_layouts", False):
+        if self.backend_cls.is_colocated:
             raise TypeError(
-                f"backend {self.backend!r} "
-                + ("hands the weights over inside the actor's process"
-                   if self.backend_cls.is_colocated else "delivers each worker its layout")
-                + ": adapter syncs through it are not built; use a full-copy backend (gloo, "
-                "nccl, hccl, nixl, mooncake, kimi)")
+                f"backend {self.backend!r} hands the weights over inside the actor's process: "
+                "adapter syncs through it are not built; use another backend (gloo, nccl, "
+                "hccl, nixl, mooncake, kimi, or a sharded one)")
         if isinstance(global_steps, bool) or not isinstance(global_steps, int):
             raise ValueError(f"update_adapter: global_steps is the version requests name, an "
                              f"integer; got {global_steps!r}")
@@ -1104,13 +1104,19 @@ class CheckpointEngineManager:
         progress = processes.engine_calls("sync_progress")
         key = new_session_key()  # this sync's secret, handed to every process through Ray
         keys = {"key": [key] * layout.actor_ranks}, {"key": [key] * layout.rollout_world_size}
+        # an engine that delivers layouts plans an adapter sync as whole tensors
+        adapter = ({"adapter": round_.adapter.name}
+                   if round_.adapter is not None and self.backend_cls.executes_layouts else {})
         if self._answer_every_call(processes):
+            actor_adapter, rollout_adapter = processes.per_rank(adapter)
+            keys = {**keys[0], **actor_adapter}, {**keys[1], **rollout_adapter}
             metadata = await self._begin(stages, processes, replicas, keys, progress)
         else:
             await stages.run("authenticate", processes.engine_calls("set_session_key", *keys),
                              progress)
             await self._locate(stages, processes, replicas)
-            metadata = await stages.run("prepare", processes.engine_calls("prepare"), progress)
+            metadata = await stages.run("prepare", processes.engine_calls(
+                "prepare", *processes.per_rank(adapter)), progress)
         actor_kwargs, rollout_kwargs = self._topology(stages, processes, metadata)
         await stages.run("init_process_group", processes.engine_calls(
             "init_process_group", actor_kwargs, rollout_kwargs,

@@ -24,13 +24,13 @@ from weightsync_core.testing.weights import ONE_ELEMENT, Faults, digests, make_a
 if TYPE_CHECKING:
     from weightsync_core.orchestration.manager import CheckpointEngineManager
 
-__all__ = ["AdapterSyncConformanceTests"]
+__all__ = ["AdapterSyncConformanceTests", "held_adapter_versions", "set_actor_adapter"]
 
 _SPEC = AdapterSpec("policy", 8, 16.0, ("q_proj", "v_proj"))
 _SEED = 70
 
 
-def _set_adapter(harness: SyncHarness, spec: AdapterSpec, updates: Sequence[tuple[int, float]]
+def set_actor_adapter(harness: SyncHarness, spec: AdapterSpec, updates: Sequence[tuple[int, float]]
                  = (), faults: Faults | None = None, ranks: Sequence[int] | None = None
                  ) -> dict[str, Any]:
     """Give the actor ranks (``ranks``: those only) adapter ``spec`` after ``updates``;
@@ -41,7 +41,7 @@ def _set_adapter(harness: SyncHarness, spec: AdapterSpec, updates: Sequence[tupl
     return digests(make_adapter(spec, _SEED, updates=updates))
 
 
-def _held(harness: SyncHarness, name: str) -> list[dict[int, dict[str, Any]]]:
+def held_adapter_versions(harness: SyncHarness, name: str) -> list[dict[int, dict[str, Any]]]:
     """Per rollout worker: the versions of adapter ``name`` its server holds."""
     return [report["adapters"].get(name, {}) for report in harness.reports()]
 
@@ -71,10 +71,10 @@ class AdapterSyncConformanceTests(_ConformanceBase):
             for step, fraction in enumerate(fractions, start=1):
                 if step > 1:
                     updates.append((step, fraction))
-                expected[step] = _set_adapter(harness, spec, updates)
+                expected[step] = set_actor_adapter(harness, spec, updates)
                 metrics = manager.update_adapter_sync(step, name)
                 kept = sorted(expected)[-2:]
-                for held in _held(harness, name):
+                for held in held_adapter_versions(harness, name):
                     assert sorted(held) == kept, f"sync {step}: versions held {sorted(held)}"
                     for version in kept:
                         assert held[version] == expected[version], (
@@ -102,7 +102,7 @@ class AdapterSyncConformanceTests(_ConformanceBase):
             pytest.skip("a colocated backend takes no adapter syncs")
         spec = AdapterSpec("refusals", 8, 16.0, ("q_proj", "v_proj"))
         manager = self._adapter_manager(harness, sync_timeout_seconds=self.failure_timeout_seconds)
-        first = _set_adapter(harness, spec)
+        first = set_actor_adapter(harness, spec)
         manager.update_adapter_sync(1, spec.name)
         status = manager.adapter_status()
 
@@ -113,35 +113,36 @@ class AdapterSyncConformanceTests(_ConformanceBase):
             assert "check_adapter" in message and all(word in message for word in words), (
                 message)
             assert manager.adapter_status() == status
-            assert all(held == {1: first} for held in _held(harness, spec.name))
+            assert all(held == {1: first} for held in held_adapter_versions(harness, spec.name))
 
         # the actor ranks disagree: rank 1 trains rank 4
-        _set_adapter(harness, AdapterSpec(spec.name, 4, 16.0, spec.target_modules), ranks=[1])
+        set_actor_adapter(harness, AdapterSpec(spec.name, 4, 16.0, spec.target_modules), ranks=[1])
         refused(2, "actor_wg rank 0", "actor_wg rank 1", "rank 8", "rank 4")
         # the replicas hold rank-8 versions; the actor now trains rank 4 (or other targets)
-        _set_adapter(harness, AdapterSpec(spec.name, 4, 8.0, spec.target_modules))
+        set_actor_adapter(harness, AdapterSpec(spec.name, 4, 8.0, spec.target_modules))
         refused(2, "rank 8", "rank 4", "rollout rank")
-        _set_adapter(harness, AdapterSpec(spec.name, 8, 16.0, ("q_proj", "k_proj")))
+        set_actor_adapter(harness, AdapterSpec(spec.name, 8, 16.0, ("q_proj", "k_proj")))
         refused(2, "k_proj", "v_proj")
         # a server that cannot serve the rank refuses it, naming its limit
         worker = harness.replicas[-1].workers[-1]
         ray.get(worker.set_faults.remote(max_adapter_rank=4))
-        _set_adapter(harness, AdapterSpec("wider", 8, 16.0, spec.target_modules))
+        set_actor_adapter(harness, AdapterSpec("wider", 8, 16.0, spec.target_modules))
         with pytest.raises(SyncStageError, match="max_lora_rank is 4"):
             manager.update_adapter_sync(2, "wider")
         ray.get(worker.set_faults.remote())
         # a sync that fails mid-way (a sender, then a server) leaves every replica serving
         # version 1 only, and the next sync takes
-        _set_adapter(harness, spec, updates=[(2, 0.3)], faults=Faults(raise_after=3))
+        set_actor_adapter(harness, spec, updates=[(2, 0.3)], faults=Faults(raise_after=3))
         with pytest.raises(SyncStageError, match="injected failure"):
             manager.update_adapter_sync(2, spec.name)
         assert manager.adapter_status() == status
         ray.get(worker.set_faults.remote(refuse_adapter=True))
-        _set_adapter(harness, spec, updates=[(2, 0.3)])
+        set_actor_adapter(harness, spec, updates=[(2, 0.3)])
         with pytest.raises(SyncStageError, match="refused version 2"):
             manager.update_adapter_sync(2, spec.name)
         assert manager.adapter_status() == status
-        assert all(held == {1: first} for held in _held(harness, spec.name))
-        second = _set_adapter(harness, spec, updates=[(3, 0.3)])
+        assert all(held == {1: first} for held in held_adapter_versions(harness, spec.name))
+        second = set_actor_adapter(harness, spec, updates=[(3, 0.3)])
         manager.update_adapter_sync(3, spec.name)
-        assert all(held == {1: first, 3: second} for held in _held(harness, spec.name))
+        assert all(held == {1: first, 3: second}
+                   for held in held_adapter_versions(harness, spec.name))

@@ -20,6 +20,7 @@ import ray
 
 from weightsync_core.api.config import parse_dtype
 from weightsync_core.api.errors import SyncStageError
+from weightsync_core.data.adapters import AdapterSpec
 from weightsync_core.data.bucketing import cast_for_rollout
 from weightsync_core.data.delta.patch import PATCH_HEADER_BYTES
 from weightsync_core.data.shards.specs import (
@@ -31,6 +32,7 @@ from weightsync_core.data.shards.specs import (
 )
 from weightsync_core.data.shards.tensor_parallel import DecoderShape
 from weightsync_core.orchestration.ray_group import RayRolloutReplica
+from weightsync_core.testing.adapter_suite import held_adapter_versions, set_actor_adapter
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.suite import _ConformanceBase
 from weightsync_core.testing.weights import (
@@ -280,6 +282,34 @@ class ShardedDeliveryConformanceTests(_ConformanceBase):
             ray.get(harness.actors[1].set_layout.remote(fsdp_spec(len(harness.actors), 1)))
             self._sync_and_check(harness, harness.manager(), 76, replicas, layouts,
                                  allow_manifest_change=True)
+
+    def test_sharded_adapter_syncs_go_whole_beside_the_base_slices(
+            self, harness: SyncHarness) -> None:
+        """FSDP rows on the actor ranks, a whole-model and a TP=2 replica: LoRA adapter syncs
+        (three full, then three delta) deliver every worker the whole adapter, bit-exact,
+        the newest two versions kept; a base sync after them still gives each worker
+        exactly its slices."""
+        replicas = harness.replicas
+        with self._sharded(harness, replicas) as layouts:
+            self._sync_and_check(harness, harness.manager(), 74, replicas, layouts,
+                                 allow_manifest_change=True)
+            for delta in (False, True):
+                manager = harness.manager(adapter_versions=2, delta=delta)
+                spec = AdapterSpec(f"sharded-{int(delta)}", 4, 8.0, ("q_proj", "v_proj"))
+                expected = {}
+                updates: list[tuple[int, float]] = []
+                for step, fraction in enumerate((1.0, 0.3, _SPARSE), start=1):
+                    if step > 1:
+                        updates.append((step, fraction))
+                    expected[step] = set_actor_adapter(harness, spec, updates)
+                    metrics = manager.update_adapter_sync(step, spec.name)
+                    if delta:  # patches from the second sync on
+                        assert metrics["weightsync/delta"] == float(step > 1), (step, metrics)
+                for worker, held in enumerate(held_adapter_versions(harness, spec.name)):
+                    assert sorted(held) == [2, 3], f"rollout rank {worker} holds {sorted(held)}"
+                    assert all(held[step] == expected[step] for step in (2, 3)), (
+                        f"rollout rank {worker} ({layouts[worker]}): adapter differs")
+            self._sync_and_check(harness, harness.manager(), 75, replicas, layouts)
 
     def test_sharded_delta_syncs_of_slices_bit_exact_and_move_less(
             self, harness: SyncHarness) -> None:

@@ -221,8 +221,21 @@ class ActorCheckpointEngineMixin:
             return self.adapter_spec(kwargs["name"]).as_dict()
         engine = self.checkpoint_engine
         if method == "prepare" and getattr(engine, "executes_layouts", False):
-            engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
+            adapter = kwargs.pop("adapter", None)
+            if adapter is None:
+                engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
+            else:  # an adapter goes whole, whatever this rank holds of the base
+                engine.declare_layout(None, weights_spec(await self._adapter_shapes(adapter)))
         return await execute_engine_method(engine, method, kwargs)
+
+    async def _adapter_shapes(self, name: str
+                              ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor of adapter ``name``, its shape and dtype in stream order (read from
+        :meth:`iter_adapter_weights`: an adapter sync through an engine that delivers
+        layouts reads the adapter twice, once to plan)."""
+        return {tensor_name: (tuple(tensor.shape), tensor.dtype)
+                async for tensor_name, tensor in iter_named_tensors(
+                    self.iter_adapter_weights(name))}
 
     def delta_held(self) -> dict[str, Any]:
         """This rank's answer to :data:`~weightsync_core.api.config.DELTA_HELD`: the version of

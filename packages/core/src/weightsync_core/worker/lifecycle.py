@@ -140,19 +140,20 @@ async def execute_engine_method(engine: CheckpointEngine, method: str,
 
 
 async def begin_sync(execute: Callable[..., Awaitable[Any]], settings: Callable[[], Any],
-                     key: bytes) -> dict[str, Any]:
+                     key: bytes, adapter: str | None = None) -> dict[str, Any]:
     """A worker's answer to :data:`~weightsync_core.api.config.BEGIN_SYNC`: the three stages
     that begin a sync, in their order, in one call: ``execute("set_session_key", key=key)``
     (stage ``authenticate``), ``execute("address")`` and ``settings()`` (``locate``),
-    ``execute("prepare")`` (``prepare``). ``execute`` is the worker's
-    ``execute_checkpoint_engine``; an error carries the stage it was raised in
+    ``execute("prepare")`` (``prepare``; ``execute("prepare", adapter=adapter)`` for a sync
+    of that LoRA adapter through an engine that delivers layouts). ``execute`` is the
+    worker's ``execute_checkpoint_engine``; an error carries the stage it was raised in
     (:func:`~weightsync_core.api.errors.failed_stage`)."""
     with in_stage("authenticate"):
         await execute("set_session_key", key=key)
     with in_stage("locate"):
         address, built = await execute("address"), settings()
     with in_stage("prepare"):
-        metadata = await execute("prepare")
+        metadata = await execute("prepare", **({} if adapter is None else {"adapter": adapter}))
     return {"address": address, "settings": built, "metadata": metadata}
 
 

@@ -158,15 +158,16 @@ class CheckpointEngineWorker:
             await self.adapters.keep(self.server_adapter, kwargs["name"], kwargs["versions"])
             return None
         if method == "prepare":
-            self._declare_layout()
+            self._declare_layout(whole=kwargs.pop("adapter", None) is not None)
         return await execute_engine_method(self.checkpoint_engine, method, kwargs)
 
-    def _declare_layout(self) -> None:
+    def _declare_layout(self, whole: bool = False) -> None:
         """Hand the engine what this worker's server needs (its adapter's optional
         ``weight_layout()``: a :data:`~weightsync_core.data.shards.LayoutSpec`, None for every
-        tensor whole) where the engine delivers layouts. An adapter whose
-        ``takes_whole_weights`` is true (a vLLM tensor-parallel worker, whose loaders keep
-        its shard of a whole tensor) receives every tensor whole from other engines.
+        tensor whole; ``whole``, a LoRA adapter sync: None) where the engine delivers
+        layouts. An adapter whose ``takes_whole_weights`` is true (a vLLM tensor-parallel
+        worker, whose loaders keep its shard of a whole tensor) receives every tensor whole
+        from other engines.
 
         Raises:
             WeightSyncError: the server needs only part of the weights, but the engine
@@ -176,7 +177,7 @@ class CheckpointEngineWorker:
         layout = declare() if declare is not None else None
         engine = self.checkpoint_engine
         if getattr(engine, "executes_layouts", False):
-            engine.declare_layout(layout)
+            engine.declare_layout(None if whole else layout)
         elif layout is not None and not getattr(self.server_adapter, "takes_whole_weights",
                                                 False):
             raise WeightSyncError(

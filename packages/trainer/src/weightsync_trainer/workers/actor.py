@@ -123,16 +123,18 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
                          fused_experts=self._fused_experts() is not None)
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Every tensor's full shape and dtype under its checkpoint name, in stream order."""
-        return per_expert_shapes({name: (tuple(param.shape), param.dtype)
-                                  for name, param in self._built_model().named_parameters()})
+        """Every tensor's full shape and dtype under its checkpoint name, in stream order
+        (of a LoRA policy, the base's)."""
+        return per_expert_shapes({name: (tuple(param.shape), param.dtype) for name, param in
+                                  base_parameters(self._built_model().named_parameters())})
 
     def iter_weight_shards(self) -> WeightsSource:
-        """This rank's own rows of each parameter, gathered from no one; of fused experts,
-        its whole experts one at a time, as views (no fused tensor is materialised)."""
+        """This rank's own rows of each parameter, gathered from no one, under its
+        checkpoint name (of a LoRA policy, the base's); of fused experts, its whole experts
+        one at a time, as views (no fused tensor is materialised)."""
         first = fsdp_first_expert(self._fused_experts() or 0, dist.get_world_size(),
                                   dist.get_rank())
-        return per_expert_stream(local_parameters(self._built_model()), first)
+        return per_expert_stream(base_parameters(local_parameters(self._built_model())), first)
 
     def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped policy-gradient update on this rank's shard (``input_ids``: prompt +
