@@ -30,6 +30,10 @@ class SteppedTrainer(Protocol):
         """Update the actor on a batch; its metrics."""
         ...
 
+    async def sync(self, step: int) -> dict[str, float]:
+        """Move the actor's step-``step`` policy to the replicas; the sync's metrics."""
+        ...
+
 
 class AsyncRollout:
     """Runs a trainer's steps with rollout ahead of training.
@@ -39,9 +43,11 @@ class AsyncRollout:
     to ``j``), so no token of a batch is more than ``max_staleness`` updates older than
     the actor that trains on it; ``max_staleness=0`` is the synchronous schedule. The
     consumer trains on each batch in turn with decoupled PPO's importance weights (each
-    token's log-probability as sampled travels with it), then syncs the new version with
-    ``update_weights``, which stages it while the replicas keep generating and switches
-    them in one short pause.
+    token's log-probability as sampled travels with it), then syncs the new version
+    (``trainer.sync``): ``update_weights``, which stages it while the replicas keep
+    generating and switches them in one short pause, or, with a LoRA actor,
+    ``update_adapter``, which adds the adapter's new version beside the ones served and
+    pauses nothing (each request names the newest version when it starts).
 
     Metrics per step, beside the synchronous ones: ``async/staleness_mean`` and
     ``async/staleness_max`` (over the batch's tokens: the actor's version before this step
@@ -98,7 +104,7 @@ class AsyncRollout:
                 metrics = await trainer.train_on(step, batch["input_ids"], batch["responses"],
                                                 batch["behaviour_log_probs"])
                 trained = time.perf_counter()
-                metrics.update(await manager.update_weights(global_steps=step))
+                metrics.update(await trainer.sync(step))
                 async with self._version_changed:
                     self.served = step
                     self._version_changed.notify_all()

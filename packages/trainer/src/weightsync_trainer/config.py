@@ -473,9 +473,7 @@ class ExperimentConfig:
         why = ("the colocated backend 'naive' (no adapter syncs in the actor's process)"
                if engine.backend == "naive" else
                "tensor_model_parallel_size > 1 (the trainer's tensor-parallel replicas take "
-               "no adapters)" if rollout.tensor_model_parallel_size > 1 else
-               "trainer.async_rollout.enable=true (not built yet)"
-               if self.trainer.async_rollout.enable else None)
+               "no adapters)" if rollout.tensor_model_parallel_size > 1 else None)
         if why is not None:
             raise ConfigError(
                 f"actor_rollout_ref.model.lora_rank={self.actor_rollout_ref.model.lora_rank} "

@@ -186,14 +186,15 @@ class LLMServerClient:
         finally:
             await self._release_server(server_id)
 
-    async def generate_sample(self, prompt_ids: torch.Tensor, request_id: str, seed: int
+    async def generate_sample(self, prompt_ids: torch.Tensor, request_id: str, seed: int,
+                              adapter: tuple[str, int] | None = None
                               ) -> dict[str, torch.Tensor]:
         """As :meth:`generate`, with each token's log-probability and weights version as
         sampled (:meth:`HFRolloutReplica.generate_sample`)."""
         server_id, server = await self._acquire_server(request_id)
         try:
             return await server.generate_sample(prompt_ids, self.config.data.max_response_length,
-                                                seed)
+                                                seed, adapter)
         finally:
             await self._release_server(server_id)
 

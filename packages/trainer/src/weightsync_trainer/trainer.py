@@ -168,24 +168,29 @@ class RayPPOTrainer:
     async def sample_batch(self, step: int) -> dict[str, torch.Tensor]:
         """As :meth:`generate`, with what sampled each response token (asynchronous RL):
         ``{"input_ids", "responses", "behaviour_log_probs", "versions"}`` (``versions``: the
-        weights version of each token)."""
+        policy version of each token: the weights', or, with a LoRA actor, that of the
+        adapter version its request named, which no sync changes mid-response)."""
         group_size = self.config.actor_rollout_ref.rollout.n
         prompts = self.task.sample_prompts(self.config.data.train_batch_size, self._generator)
         base_seed = (self.config.trainer.seed * 1_000_003 + step) * 10_000
         client = self._started(self.client, "client")
+        adapter = self._adapter()
         samples = await asyncio.gather(*(
             client.generate_sample(prompt.expand(group_size, -1).contiguous(),
                                    request_id=f"step{step}-prompt{index}",
-                                   seed=base_seed + index * group_size)
+                                   seed=base_seed + index * group_size, adapter=adapter)
             for index, prompt in enumerate(prompts)
         ))
         responses = torch.cat([sample["tokens"] for sample in samples])
+        versions = torch.cat([sample["versions"] for sample in samples])
+        if adapter is not None:
+            versions = torch.full_like(versions, adapter[1])
         return {
             "input_ids": torch.cat([prompts.repeat_interleave(group_size, dim=0), responses],
                                    dim=1),
             "responses": responses,
             "behaviour_log_probs": torch.cat([sample["log_probs"] for sample in samples]),
-            "versions": torch.cat([sample["versions"] for sample in samples]),
+            "versions": versions,
         }
 
     async def _advantages(
