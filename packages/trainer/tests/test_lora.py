@@ -87,9 +87,6 @@ def test_lora_configs_that_cannot_run_are_refused():
     engine = "actor_rollout_ref.rollout.checkpoint_engine.backend"
     with pytest.raises(ConfigError, match="colocated backend 'naive'"):
         load_config(overrides=["actor_rollout_ref.model.lora_rank=4", f"{engine}=naive"])
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size > 1"):
-        load_config(overrides=["actor_rollout_ref.model.lora_rank=4",
-                               "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     gloo = f"{engine}=gloo"
     with pytest.raises(ConfigError, match="target_modules must be a non-empty list"):
         load_config(overrides=[gloo, "actor_rollout_ref.model.lora_rank=4",
@@ -102,6 +99,7 @@ def lora_run(tmp_path_factory):
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.num_replicas=2",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo_sharded",
         "trainer.async_rollout.enable=true",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "trainer.total_training_steps=4", "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.model.target_modules=[q_proj,v_proj,lm_head]",
         "actor_rollout_ref.actor.optim.lr=0.05"])
@@ -128,9 +126,9 @@ def test_an_async_lora_run_over_a_sharded_backend_syncs_only_the_adapter(lora_ru
         model.hidden_size + model.vocab_size)
     assert [row["weightsync/bytes"] for row in rows] == [adapter * 4] * len(rows)
     assert adapter < 0.2 * params
-    assert lora_run["actor_adapter"] and lora_run["served"] == [lora_run["actor_adapter"]] * 2
+    assert lora_run["actor_adapter"] and lora_run["served"] == [lora_run["actor_adapter"]] * 4
     # the base synced once, unchanged since: the replicas serve the actor's base
-    assert lora_run["checksums"]["rollout"] == [lora_run["checksums"]["actor"]] * 2
+    assert lora_run["checksums"]["rollout"] == [lora_run["checksums"]["actor"]] * 4
     assert all(status["version"] == 0 for status in lora_run["versions"])
     assert lora_run["status"] == {"replica 0": {"policy": [3, 4]},
                                   "replica 1": {"policy": [3, 4]}}

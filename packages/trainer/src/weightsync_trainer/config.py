@@ -467,17 +467,14 @@ class ExperimentConfig:
                 "backend (gloo, nixl, ...)")
 
     def _check_lora(self, engine: CheckpointEngineConfig) -> None:
-        """Refuse LoRA where adapter syncs are not built (see
+        """Refuse LoRA where adapter syncs are not built: the colocated backend (see
         ``CheckpointEngineManager.update_adapter``)."""
-        rollout = self.actor_rollout_ref.rollout
-        why = ("the colocated backend 'naive' (no adapter syncs in the actor's process)"
-               if engine.backend == "naive" else
-               "tensor_model_parallel_size > 1 (the trainer's tensor-parallel replicas take "
-               "no adapters)" if rollout.tensor_model_parallel_size > 1 else None)
-        if why is not None:
+        if engine.backend == "naive":
             raise ConfigError(
                 f"actor_rollout_ref.model.lora_rank={self.actor_rollout_ref.model.lora_rank} "
-                f"cannot run with {why}; set lora_rank=0 or change that setting")
+                "cannot run with the colocated backend 'naive' (no adapter syncs in the "
+                "actor's process); set lora_rank=0 or choose another "
+                "actor_rollout_ref.rollout.checkpoint_engine.backend")
 
     def _check_mini_batches(self, section: str, mini_batch: int, ranks: str,
                             world_size: int) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from weightsync_core import AdapterSpec
 from weightsync_core.data.shards import (
     DecoderShape,
     Layout,
@@ -181,12 +180,6 @@ class TensorParallelGenerationServer(HFGenerationServer):
         """Sample with the whole model, assembled from the peers' slices first."""
         await self.make_whole()
         return await super().generate_sample(prompt_ids, response_length, seed, adapter)
-
-    def check_adapter(self, spec: AdapterSpec) -> None:
-        """Refuse every adapter: a tensor-parallel replica's adapter slices are not built."""
-        raise ValueError(f"a tensor-parallel replica (rank {self.tp_rank}) of the trainer "
-                         "takes no LoRA adapters yet; serve them with "
-                         "tensor_model_parallel_size=1")
 
     async def resume_generation(self) -> None:
         """Make the model whole from the peers' slices (every worker of the replica took the
