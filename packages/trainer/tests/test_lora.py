@@ -84,13 +84,28 @@ def test_replica_serves_two_versions_side_by_side_as_peft_does():
 
 
 def test_lora_configs_that_cannot_run_are_refused():
-    engine = "actor_rollout_ref.rollout.checkpoint_engine.backend"
-    with pytest.raises(ConfigError, match="colocated backend 'naive'"):
-        load_config(overrides=["actor_rollout_ref.model.lora_rank=4", f"{engine}=naive"])
-    gloo = f"{engine}=gloo"
     with pytest.raises(ConfigError, match="target_modules must be a non-empty list"):
-        load_config(overrides=[gloo, "actor_rollout_ref.model.lora_rank=4",
+        load_config(overrides=["actor_rollout_ref.model.lora_rank=4",
                                "actor_rollout_ref.model.target_modules=[]"])
+
+
+def test_a_colocated_lora_run_syncs_the_adapter_into_each_ranks_server():
+    """backend naive: each actor rank's in-process server holds the adapter versions."""
+    runner, rows = run_experiment([
+        "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+        "trainer.total_training_steps=3", "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.target_modules=[q_proj,v_proj,lm_head]",
+        "actor_rollout_ref.actor.optim.lr=0.05"])
+    trainer = runner.trainer
+    try:
+        actor = ray.get(trainer.actor_wg.call_all("adapter_checksum"))[0]
+        served = ray.get(trainer.actor_wg.call_all("served_adapter_checksum", "policy", 3))
+        status = trainer.checkpoint_manager.adapter_status()
+    finally:
+        trainer.shutdown()
+    assert served == [actor, actor]
+    assert status == {"replica 0": {"policy": [2, 3]}, "replica 1": {"policy": [2, 3]}}
+    assert len(rows) == 3 and all(row["weightsync/tensors"] > 0 for row in rows)
 
 
 @pytest.fixture(scope="module")

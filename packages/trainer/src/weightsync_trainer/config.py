@@ -457,24 +457,12 @@ class ExperimentConfig:
         for section, mini_batch, ranks, world_size in groups:
             self._check_mini_batches(section, mini_batch, ranks, world_size)
         engine = self.actor_rollout_ref.rollout.checkpoint_engine
-        if model.lora_rank:
-            self._check_lora(engine)
         if self.trainer.async_rollout.enable and engine.backend == "naive":
             raise ConfigError(
                 "trainer.async_rollout.enable=true needs rollout replicas of their own: with "
                 "the colocated backend 'naive' the actor's processes generate, and cannot "
                 "while they train; choose another actor_rollout_ref.rollout.checkpoint_engine."
                 "backend (gloo, nixl, ...)")
-
-    def _check_lora(self, engine: CheckpointEngineConfig) -> None:
-        """Refuse LoRA where adapter syncs are not built: the colocated backend (see
-        ``CheckpointEngineManager.update_adapter``)."""
-        if engine.backend == "naive":
-            raise ConfigError(
-                f"actor_rollout_ref.model.lora_rank={self.actor_rollout_ref.model.lora_rank} "
-                "cannot run with the colocated backend 'naive' (no adapter syncs in the "
-                "actor's process); set lora_rank=0 or choose another "
-                "actor_rollout_ref.rollout.checkpoint_engine.backend")
 
     def _check_mini_batches(self, section: str, mini_batch: int, ranks: str,
                             world_size: int) -> None:

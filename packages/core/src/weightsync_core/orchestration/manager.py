@@ -812,14 +812,16 @@ class CheckpointEngineManager:
         against the version every worker holds, as :meth:`update_weights` does. Through a
         backend that delivers layouts (the sharded ones) the adapter goes whole to every
         worker (its server slices it, as vLLM's LoRA manager does), whatever the actor
-        ranks and the workers hold of the base weights.
+        ranks and the workers hold of the base weights. Through the colocated ``naive``,
+        whose replicas are the actor's workers, each rank's in-process server adds the
+        version.
 
         Metrics as :meth:`update_weights` (``staged`` 0), and ``adapter_versions`` (the
         versions each replica now keeps).
 
         Raises:
-            TypeError: the backend hands weights over inside the actor's process (``naive``):
-                adapter syncs through it are not built.
+            TypeError: the backend hands weights over inside the actor's process (``naive``)
+                and the manager has no replicas (the actor's workers, each rank one).
             ValueError: ``global_steps`` is not an integer (a request names the version).
             SyncStageError: as :meth:`update_weights`; stage ``check_adapter`` for a refused
                 spec (:class:`~weightsync_core.api.errors.AdapterMismatchError`'s message).
@@ -828,11 +830,12 @@ class CheckpointEngineManager:
 
     async def _update_adapter(self, global_steps: int, name: str, allow_change: bool
                               ) -> dict[str, float]:
-        if self.backend_cls.is_colocated:
+        if self.backend_cls.is_colocated and not self.replicas:
             raise TypeError(
-                f"backend {self.backend!r} hands the weights over inside the actor's process: "
-                "adapter syncs through it are not built; use another backend (gloo, nccl, "
-                "hccl, nixl, mooncake, kimi, or a sharded one)")
+                f"backend {self.backend!r} hands the weights over inside the actor's process, "
+                "and this manager has no replicas: an adapter sync keeps its versions per "
+                "replica; pass the actor's workers as replicas (one per rank, as "
+                "weightsync-trainer's colocated mode does)")
         if isinstance(global_steps, bool) or not isinstance(global_steps, int):
             raise ValueError(f"update_adapter: global_steps is the version requests name, an "
                              f"integer; got {global_steps!r}")
@@ -1054,6 +1057,8 @@ class CheckpointEngineManager:
         of the two rounds of a mixed delta sync says which replicas it moved to (its error
         names processes and replicas as the manager numbers them, as every sync's does)."""
         options: dict[str, Any] = {"allow_manifest_change": True} if allow_manifest_change else {}
+        if round_.adapter is not None:
+            options["adapter"] = round_.adapter.as_dict()
         try:
             if self.backend_cls.is_colocated:
                 round_.sent = await self._hand_over_in_process(stages, global_steps, options)
@@ -1125,8 +1130,6 @@ class CheckpointEngineManager:
         if round_.plan is not None:
             options = {**options, "delta_base": round_.plan.base,
                        "delta_version": round_.plan.version}
-        if round_.adapter is not None:
-            options = {**options, "adapter": round_.adapter.as_dict()}
         if from_cache:
             results = await stages.run("transfer", processes.cache_calls(global_steps), progress)
             sent, loaded = results[:1], results

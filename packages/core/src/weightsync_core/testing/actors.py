@@ -460,6 +460,7 @@ class WeightSourceActor(_ProcessHooks, ActorCheckpointEngineMixin):
         return {
             "received": self.colocated_adapter.received,
             "global_steps": self.colocated_adapter.global_steps,
+            "adapters": self.colocated_adapter.adapters,
             "weight_streams": self.weight_streams,
             "delta_copies": sorted(self.delta_sender.baselines),
             "engine_class": type(self.checkpoint_engine).__module__ + "."

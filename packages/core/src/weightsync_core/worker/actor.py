@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from weightsync_core.api.config import (
+    ADAPTER_CHECK,
+    ADAPTER_KEEP,
     ADAPTER_SPEC,
     BEGIN_SYNC,
     BUILT_SETTINGS,
@@ -35,6 +37,7 @@ from weightsync_core.data.delta import DeltaPlan, DeltaSender, SpreadDeltaSender
 from weightsync_core.data.quantization import QuantizedWeights
 from weightsync_core.data.shards.specs import LayoutSpec, weights_spec
 from weightsync_core.data.verification import ManifestGuard
+from weightsync_core.worker.adapters import RolloutAdapters
 from weightsync_core.worker.delivery import deliver_weights
 from weightsync_core.worker.lifecycle import (
     AbortGate,
@@ -151,6 +154,8 @@ class ActorCheckpointEngineMixin:
         self.delta_sender = SpreadDeltaSender(delta_group) if spread else DeltaSender()
         self.adapter_delta_senders: dict[str, DeltaSender] = {}
         """Per LoRA adapter name, the copy its delta syncs are against (the sending rank's)."""
+        self.colocated_adapters = RolloutAdapters()
+        """With a colocated engine, the LoRA adapter versions the in-process server holds."""
 
     def iter_weights(self) -> WeightsSource:
         """The weights to send: ``(name, full tensor)`` pairs, one at a time."""
@@ -219,6 +224,15 @@ class ActorCheckpointEngineMixin:
                     "needs_base": self.checkpoint_engine.sends_weights()}
         if method == ADAPTER_SPEC:
             return self.adapter_spec(kwargs["name"]).as_dict()
+        if method == ADAPTER_CHECK:  # a colocated engine: this rank's server is a replica's
+            self.colocated_adapters.check(
+                AdapterSpec.from_dict(kwargs["adapter"]), self.colocated_server_adapter,
+                bool(kwargs.get("allow_change")), "this actor rank's colocated server")
+            return None
+        if method == ADAPTER_KEEP:
+            await self.colocated_adapters.keep(self.colocated_server_adapter, kwargs["name"],
+                                               kwargs["versions"])
+            return None
         engine = self.checkpoint_engine
         if method == "prepare" and getattr(engine, "executes_layouts", False):
             adapter = kwargs.pop("adapter", None)
@@ -283,7 +297,9 @@ class ActorCheckpointEngineMixin:
         of that token (:class:`~weightsync_core.data.delta.DeltaSender`).
 
         ``adapter`` (an adapter sync: the spec the manager checked, as plain data): send
-        that LoRA adapter's tensors (:meth:`iter_adapter_weights`), never quantized."""
+        that LoRA adapter's tensors (:meth:`iter_adapter_weights`), never quantized; a
+        colocated engine's in-process server adds them as version ``global_steps`` beside
+        the versions it serves (:attr:`colocated_adapters`)."""
         self._check_engine_built("update_weights")
         engine = self.checkpoint_engine
         passes = passes_of(engine)
@@ -317,7 +333,15 @@ class ActorCheckpointEngineMixin:
             bucket_size = getattr(engine, "bucket_size", 0)
             if isinstance(bucket_size, int) and bucket_size > 0:  # at least this many
                 stats.num_buckets = -(-taken.nbytes // bucket_size)
-        if engine.is_colocated:
+        if engine.is_colocated and adapter is not None:
+            if global_steps is None:
+                raise WeightSyncError("an adapter sync needs a version: pass global_steps")
+            received = await self.colocated_adapters.receive(
+                engine, self.colocated_server_adapter, AdapterSpec.from_dict(adapter),
+                global_steps, None)
+            stats = TransferStats(int(received["num_tensors"]), int(received["nbytes"]), 0,
+                                  received["seconds"])
+        elif engine.is_colocated:
             guard = self.colocated_manifest_guard
             guard.start(allow_change=allow_manifest_change)
             stats = await deliver_weights(

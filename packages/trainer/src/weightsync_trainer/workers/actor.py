@@ -177,7 +177,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         adapter: tuple[str, int] | None = None,
     ) -> torch.Tensor:
         """Colocated mode: sample from this rank's in-process rollout server (``adapter``:
-        a LoRA adapter version it holds; colocated runs take none yet)."""
+        a LoRA adapter version it holds)."""
         return await self._colocated_server().generate(prompt_ids, response_length, seed,
                                                        adapter)
 
@@ -191,6 +191,11 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
 
     async def release_kv_cache(self) -> None:
         """Colocated mode: nothing to free (``generate`` allocates its cache per call)."""
+
+    def served_adapter_checksum(self, name: str, version: int) -> str:
+        """Colocated mode: digest of ``version`` of LoRA adapter ``name`` as the in-process
+        server serves it (compare with :meth:`adapter_checksum`)."""
+        return weights_digest(self._colocated_server().adapters.tensors(name, version).items())
 
     def rollout_weights_checksum(self) -> str:
         """Colocated mode: digest of the weights the in-process server generates with."""
