@@ -12,16 +12,30 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync_core import CheckpointEngineManager, RayWorkerGroup
 from weightsync_core.data.quantization import (
     QuantizedWeights,
+    block_amax,
     dequantize_fp8_block,
     quantize_fp8_block,
     quantizes,
+    scales_of,
 )
+from weightsync_core.data.shards import Box, fsdp_spec, resolve_layout, tensor_parallel_spec
+from weightsync_core.data.shards.quantized import travel_weights
 from weightsync_core.testing import SyncHarness
-from weightsync_core.testing.quantized_syncs import check_quantized_delta_syncs, quantized_config
-from weightsync_core.testing.weights import digests, make_weights
+from weightsync_core.testing.quantized_syncs import (
+    QUANTIZED_CHANGES,
+    check_quantized_delta_syncs,
+    check_sharded_quantized_delta_syncs,
+    quantized_config,
+)
+from weightsync_core.testing.weights import (
+    DECODER_BLOCKS,
+    digest,
+    digests,
+    make_weights,
+    sparse_updates,
+)
 
 
 def _e4m3fn_values() -> tuple[np.ndarray, np.ndarray]:
@@ -118,6 +132,64 @@ def test_dequantized_is_each_value_times_its_blocks_scale():
         dequantize_fp8_block(quantized, scale_inv[:, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pieces_quantized_with_agreed_scales_are_the_whole_weight_quantized(dtype):
+    # FSDP-like rows of 107 (blocks span ranks) and tensor-parallel columns of 130 (pieces
+    # cut blocks): each piece's block amax, the maximum over the pieces, then each piece
+    # quantized with the scales of the blocks it touches: the reference's bytes and scales
+    weight = _weight(300, 260, seed=5, dtype=dtype)
+    codes, scales = reference_fp8_block(weight)
+    rows, columns = [(0, 107), (107, 214), (214, 300)], [(0, 130), (130, 260)]
+    amax = torch.zeros(3, 3)
+    for r0, r1 in rows:
+        for c0, c1 in columns:
+            touched = Box(((r0 // 128, -(-r1 // 128)), (c0 // 128, -(-c1 // 128))))
+            part = block_amax(weight[r0:r1, c0:c1], (r0, c0))
+            touched.cut(amax).copy_(torch.maximum(touched.cut(amax), part))
+    agreed = scales_of(amax)
+    assert np.array_equal(agreed.numpy(), scales)
+    whole = torch.empty(300, 260, dtype=torch.float8_e4m3fn)
+    for r0, r1 in rows:
+        for c0, c1 in columns:
+            touched = Box(((r0 // 128, -(-r1 // 128)), (c0 // 128, -(-c1 // 128))))
+            piece, piece_scales = quantize_fp8_block(weight[r0:r1, c0:c1],
+                                                     touched.cut(agreed), (r0, c0))
+            assert torch.equal(piece_scales, touched.cut(agreed))
+            whole[r0:r1, c0:c1] = piece
+            restored = dequantize_fp8_block(piece, touched.cut(agreed), torch.float32, (r0, c0))
+            expected = dequantize_fp8_block(whole[r0:r1, c0:c1], touched.cut(agreed),
+                                            offset=(r0, c0))
+            assert torch.equal(restored, expected)
+    assert np.array_equal(whole.view(torch.uint8).numpy(), codes)
+    full = dequantize_fp8_block(whole, agreed)
+    assert torch.equal(dequantize_fp8_block(whole[107:214, 130:], agreed[0:2, 1:3],
+                                            offset=(107, 130)), full[107:214, 130:])
+    with pytest.raises(ValueError, match=r"covers 2x2 blocks, got 1x2 scales"):
+        quantize_fp8_block(weight[107:214, 130:], agreed[:1, 1:], (107, 130))
+
+
+def test_scale_boxes_one_holder_per_block_and_every_block_a_slice_touches():
+    shapes, dtypes = travel_weights(
+        {"a.q_proj.weight": (300, 256), "a.q_proj.bias": (300,), "model.norm.weight": (256,)},
+        {"a.q_proj.weight": torch.float32, "a.q_proj.bias": torch.float32,
+         "model.norm.weight": torch.float32}, torch.bfloat16, "fp8_block")
+    assert list(shapes) == ["a.q_proj.weight", "a.q_proj.weight_scale_inv", "a.q_proj.bias",
+                            "model.norm.weight"]
+    assert shapes["a.q_proj.weight_scale_inv"] == (3, 2)
+    assert dtypes == {"a.q_proj.weight": torch.float8_e4m3fn,
+                      "a.q_proj.weight_scale_inv": torch.float32,
+                      "a.q_proj.bias": torch.bfloat16, "model.norm.weight": torch.bfloat16}
+    held = [resolve_layout(fsdp_spec(3, rank), shapes, f"actor rank {rank}", holds=True)
+            for rank in range(3)]  # rows 0-99, 100-199, 200-299
+    assert [layout.boxes["a.q_proj.weight_scale_inv"].ranges for layout in held] == [
+        ((0, 1), (0, 2)), ((1, 2), (0, 2)), ((2, 3), (0, 2))]
+    needed = resolve_layout({"boxes": {"a.q_proj.weight": [[150, 300], [0, 100]]}}, shapes,
+                            "worker")
+    assert needed.boxes["a.q_proj.weight_scale_inv"].ranges == ((1, 3), (0, 1))
+    with pytest.raises(ValueError, match="'fp4' is not known"):
+        travel_weights(shapes, dtypes, None, "fp4")
+
+
 def test_what_stays_unquantized():
     matrix, vector = torch.zeros(4, 4), torch.zeros(4)
     assert quantizes("model.layers.0.self_attn.q_proj.weight", matrix)
@@ -171,11 +243,32 @@ def test_ten_delta_syncs_of_fp8_are_the_quantized_bytes_on_every_worker(harness)
     check_quantized_delta_syncs(harness)
 
 
-def test_a_sharded_backend_refuses_quantization_before_any_byte_moves():
-    with pytest.raises(ValueError, match="rollout_quantization='fp8_block': backend "
-                       "'gloo_sharded' delivers each worker its slices"):
-        CheckpointEngineManager(replace(CONFIG, backend="gloo_sharded", delta=False),
-                                RayWorkerGroup([]), [])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda ranks: f"{ranks} FSDP ranks")
+def sharded_harness(request):
+    harness = SyncHarness(replace(CONFIG, backend="gloo_sharded"),
+                          actor_world_size=request.param, replica_sizes=(1, 2))
+    yield harness
+    harness.shutdown()
+
+
+def test_ten_sharded_delta_syncs_of_fp8_are_every_workers_slices_of_the_reference(
+        sharded_harness):
+    # FSDP rows on the actor ranks (blocks spanning 2 and 3 ranks), into a whole replica
+    # and a TP=2 replica whose slices cut blocks; then the last sync's slices against the
+    # reference quantizer of this file
+    metrics = check_sharded_quantized_delta_syncs(sharded_harness)
+    # 2% of the masters drawn anew: most blocks' amax, so their scales and every element
+    assert 0.0 < metrics[-1]["weightsync/changed_fraction"] < 1.0
+    weights = make_weights(11, CONFIG.bucket_size_bytes, "decoder_blocks")
+    final = _expected(sparse_updates(weights, [c for change in QUANTIZED_CHANGES
+                                               for c in change]))
+    shapes = {name: tuple(tensor.shape) for name, tensor in final.items()}
+    layouts = [None, tensor_parallel_spec(DECODER_BLOCKS, 2, 0),
+               tensor_parallel_spec(DECODER_BLOCKS, 2, 1)]
+    for report, spec in zip(sharded_harness.reports(), layouts, strict=True):
+        layout = resolve_layout(spec, shapes, "worker")
+        assert report["received"] == {name: digest(box.cut(final[name]).contiguous())
+                                      for name, box in layout.boxes.items()}
 
 
 def test_the_benchmark_measures_bf16_against_fp8_side_by_side():

@@ -335,11 +335,13 @@ class CheckpointEngine(ABC):
         return True
 
     def declare_layout(self, layout: Mapping[str, Any] | None,
-                       weights: Mapping[str, Any] | None = None) -> None:
+                       weights: Mapping[str, Any] | None = None,
+                       quantization: str | None = None) -> None:
         """Take what this process holds or needs (a
         :data:`~weightsync_core.data.shards.LayoutSpec`; None: every tensor whole) and, from an
-        actor rank, every tensor's shape and dtype; engines that :attr:`executes_layouts`
-        override it. Others deliver every tensor whole.
+        actor rank, every tensor's shape and dtype and the format the sync quantizes them to
+        (``rollout_quantization``); engines that :attr:`executes_layouts` override it. Others
+        deliver every tensor whole.
 
         Raises:
             WeightSyncError: a layout other than the whole model, for an engine that

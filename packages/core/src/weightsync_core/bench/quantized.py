@@ -21,6 +21,7 @@ import torch
 
 from weightsync_core.bench.measure import bench_config, synthetic_deployment
 from weightsync_core.data.quantization import quantize_fp8_block
+from weightsync_core.orchestration.deployment import Placement
 
 __all__ = ["QuantizedBenchResult", "QuantizedRow", "quantize_seconds_per_gib",
            "run_quantized_benchmark"]
@@ -106,16 +107,18 @@ def run_quantized_benchmark(
     repeats: int = 3,
     bucket_megabytes: int = 64,
     learning_rate: float = 1.6e-5,
+    placement: Placement | None = None,
 ) -> QuantizedBenchResult:
     """Measure bf16, fp8_block and fp8_block delta syncs of ``size_megabytes`` of fp32
-    masters (each mode on processes of its own) and the cost of quantizing here."""
+    masters (each mode on processes of its own, placed by ``placement``: say, the actor
+    rank on one testbed host and the worker on another) and the cost of quantizing here."""
     base = replace(bench_config(backend, engine_kwargs, bucket_megabytes),
                    rollout_dtype="bfloat16")
     result = QuantizedBenchResult(backend, dict(engine_kwargs), 0, learning_rate, repeats)
     for mode, quantization, delta in _MODES:
         config = replace(base, rollout_quantization=quantization, delta=delta)
         with synthetic_deployment(config, 1, (1,), size_megabytes << 20, num_tensors,
-                                  columns=_COLUMNS) as (deployment, master_bytes):
+                                  placement, columns=_COLUMNS) as (deployment, master_bytes):
             result.master_bytes = master_bytes
             [actor] = deployment.actors
             manager = deployment.manager()

@@ -19,17 +19,19 @@ from weightsync_core.api.handshake import Count, Handshake, Port, Text
 from weightsync_core.api.hosts import default_host
 from weightsync_core.api.options import EngineOptions
 from weightsync_core.api.registry import CheckpointEngineRegistry
-from weightsync_core.data.bucketing import WeightsSource, cast_for_rollout, iter_named_tensors
+from weightsync_core.data.bucketing import WeightsSource, iter_named_tensors
 from weightsync_core.data.delta.codec import ShareDecoder, ShareEncoder
 from weightsync_core.data.shards.exchange import PlanExchange, PointToPoint
 from weightsync_core.data.shards.layout import Layout
 from weightsync_core.data.shards.patches import SliceDecoder, SliceEncoder
 from weightsync_core.data.shards.pieces import PieceDecoder, PieceEncoder, WholePieces
+from weightsync_core.data.shards.quantized import ShardQuantizer, travel_weights
 from weightsync_core.data.shards.specs import (
     LayoutSpec,
     parse_weights_spec,
     plan_layouts,
     resolve_layout,
+    weights_spec,
 )
 from weightsync_core.data.shards.transfers import TransferPlan
 from weightsync_core.data.sync_layout import SyncLayout
@@ -102,8 +104,10 @@ class ShardedMetadata(Handshake, frozen=True, kw_only=True):
         port: the port it reserved (actor rank 0 serves the group's store on it).
         layout: what it holds or needs (a :data:`~weightsync_core.data.shards.LayoutSpec`;
             None: every tensor whole).
-        weights: on actor rank 0, every tensor's shape and dtype
-            (:func:`~weightsync_core.data.shards.weights_spec`).
+        weights: on actor rank 0, every tensor's shape and dtype as it travels
+            (:func:`~weightsync_core.data.shards.weights_spec` of
+            :func:`~weightsync_core.data.shards.quantized.travel_weights`: cast to the
+            rollout dtype, or quantized, each quantized weight followed by its scales).
         relay: whether workers of different replicas may relay slices to each other (as
             actor rank 0's options say).
     """
@@ -130,7 +134,8 @@ class ShardedArguments(Handshake, frozen=True, kw_only=True):
         world_size: every actor rank and rollout worker.
         master: where the group meets.
         plan: the transfer plan, as plain data (:meth:`TransferPlan.as_data`).
-        weights: every tensor's shape and dtype, as actor rank 0 declared them.
+        weights: every tensor's shape and dtype as it travels, as actor rank 0 announced
+            them.
         actor_ranks: how many of the group's ranks are actor ranks.
     """
 
@@ -172,6 +177,11 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
     In a delta sync (``delta=True``) every actor rank keeps a copy of its own shard and
     sends each piece as a patch against it, and every worker keeps a copy of its own boxes
     and patches it piece by piece (see :mod:`weightsync_core.data.shards.patches`).
+
+    Quantized on send (``rollout_quantization``, which the actor ranks pass to
+    :meth:`declare_layout`): every actor rank quantizes its own rows, one scale per block
+    agreed between the ranks that hold its rows, and each worker gets the scales of the
+    blocks its slices touch (see :mod:`weightsync_core.data.shards.quantized`).
     """
 
     options_class = ShardedGlooOptions
@@ -179,6 +189,8 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
     supports_delta: ClassVar[bool] = True
     encodes_own_share: ClassVar[bool] = True
     decodes_own_pieces: ClassVar[bool] = True
+    quantizes_shards: ClassVar[bool] = True
+    """The actor ranks hand it their weights unquantized: it quantizes each rank's rows."""
     metadata_type = ShardedMetadata
     arguments_type = ShardedArguments
     family = "sharded sync"
@@ -188,16 +200,28 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         self.host = self.options.host
         self.layout_spec: LayoutSpec | None = None
         self.weights_spec: Mapping[str, Any] | None = None
+        self.quantization: str | None = None
         self._listener: socket.socket | None = None
         self._sync: _Sync | None = None
 
     def declare_layout(self, layout: LayoutSpec | None,
-                       weights: Mapping[str, Any] | None = None) -> None:
+                       weights: Mapping[str, Any] | None = None,
+                       quantization: str | None = None) -> None:
         """What this process holds or needs (a :data:`~weightsync_core.data.shards.LayoutSpec`;
-        None: every tensor whole) and, on actor rank 0, every tensor's shape and dtype
-        (:func:`~weightsync_core.data.shards.weights_spec`) before the rollout cast."""
+        None: every tensor whole) and, on an actor rank, every tensor's shape and dtype
+        (:func:`~weightsync_core.data.shards.weights_spec`) before the rollout cast, and
+        the format this sync's weights are quantized to (``rollout_quantization``; None:
+        not quantized).
+
+        Raises:
+            ValueError: a quantization format that is not known.
+        """
+        if weights is not None:
+            shapes, dtypes = parse_weights_spec(weights)
+            travel_weights(shapes, dtypes, self.rollout_dtype, quantization)  # checks it
         self.layout_spec = layout
         self.weights_spec = weights
+        self.quantization = quantization
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def announce(self) -> ShardedMetadata:
@@ -208,7 +232,7 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         return ShardedMetadata(
             host=host, port=self._listener.getsockname()[1],
             layout=None if self.layout_spec is None else dict(self.layout_spec),
-            weights=None if self.weights_spec is None else dict(self.weights_spec),
+            weights=None if self.weights_spec is None else self._travel_spec(self.weights_spec),
             relay=self.options.relay,
         )
 
@@ -273,17 +297,14 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
             group = cast(PointToPoint, new_gloo_group(store.store, rank, world_size,
                                                       self.timeout, self.host or default_host()))
             shapes, dtypes = parse_weights_spec(arguments.weights)
-            sent_dtypes = {name: cast_for_rollout(torch.empty(0, dtype=dtype),
-                                                  self.rollout_dtype).dtype
-                           for name, dtype in dtypes.items()}
             exchange = PlanExchange(group, TransferPlan.from_data(arguments.plan), shapes,
-                                    sent_dtypes, arguments.actor_ranks, sealer,
+                                    dtypes, arguments.actor_ranks, sealer,
                                     int(self.options.chunk_megabytes * 2**20), self.timeout,
                                     lambda data: self.bucket_checksum(data))
             is_actor = rank < arguments.actor_ranks
             own = rank if is_actor else rank - arguments.actor_ranks
             who = f"{'actor' if is_actor else 'rollout'} rank {own}"
-            layout = resolve_layout(self.layout_spec, shapes, who)
+            layout = resolve_layout(self.layout_spec, shapes, who, holds=is_actor)
             exchange.agree(rank, world_size)
             self.carry(exchange, rank)
         except BaseException:
@@ -306,11 +327,13 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         sync = self._require_sync()
         encoder = self._piece_encoder(sync.rank)
         sender = sync.exchange.sender(sync.rank, sync.layout, encoder)
+        quantizer = ShardQuantizer(sync.exchange, sync.rank, sync.layout, self.rollout_dtype)
         tensors = 0
         async for name, shard in iter_named_tensors(weights):
-            shard = cast_for_rollout(shard, self.rollout_dtype)
-            await run_blocking(sender.put, name, shard)
+            for travelling in quantizer.convert(name, shard):
+                await run_blocking(sender.put, *travelling)
             tensors += 1
+        quantizer.finish()
         if not tensors and sync.layout.boxes:
             raise EmptyWeightsError(
                 f"{type(self).__name__} on actor rank {sync.rank}: the weight stream held no "
@@ -343,6 +366,12 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         self._end_sync()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _travel_spec(self, weights: Mapping[str, Any]) -> dict[str, Any]:
+        """``weights`` (as an actor declared them) as they travel in this sync."""
+        shapes, dtypes = travel_weights(*parse_weights_spec(weights), self.rollout_dtype,
+                                        self.quantization)
+        return weights_spec({name: (shape, dtypes[name]) for name, shape in shapes.items()})
+
     def _piece_encoder(self, rank: int) -> PieceEncoder:
         """How actor rank ``rank`` sends its pieces: as the worker's delta sender says
         (:attr:`share_encoder`), else whole."""

@@ -268,15 +268,6 @@ class CheckpointEngineManager:
                 "does (gloo, nccl, hccl, nixl, mooncake, kimi, gloo_sharded, nixl_sharded, "
                 "mooncake_sharded)"
             )
-        if (config.rollout_quantization is not None
-                and getattr(self.backend_cls, "executes_layouts", False)):
-            raise ValueError(
-                f"rollout_quantization={config.rollout_quantization!r}: backend "
-                f"{config.backend!r} delivers each worker its slices of the weights, and "
-                "quantizing them (one scale per 128x128 block across the slices) is not "
-                "built yet; use its full-copy backend (gloo, nixl, mooncake) or leave "
-                "rollout_quantization unset"
-            )
         self.delta_ledger = DeltaLedger(config.full_verify_every) if config.delta else None
         """Where ``config.delta`` is set: when a sync must be whole for everyone (see
         :meth:`DeltaLedger.rounds`; who holds which version, the processes say)."""

@@ -16,6 +16,7 @@ from weightsync_core.data.shards.tensor_parallel import DecoderShape
 
 __all__ = [
     "DECODER",
+    "DECODER_BLOCKS",
     "MOE",
     "ONE_ELEMENT",
     "Faults",
@@ -55,6 +56,9 @@ def make_weights(
         ``decoder``: a two-layer Qwen2-style model of :data:`DECODER`'s geometry, in
             Hugging Face names (a vocabulary of 100 rows, not a multiple of vLLM's padding;
             norms of 33 rows, which do not split evenly; q/k/v biases).
+        ``decoder_blocks``: ``decoder`` of :data:`DECODER_BLOCKS`'s geometry (hidden size
+            256): weights of several 128x128 blocks, some of rows and columns that are not
+            multiples of 128, for quantization by block.
         ``moe``: a two-layer Qwen2-MoE-style model of :data:`MOE`'s geometry, in Hugging
             Face names: layer 0 a mixture of experts (router, 4 experts named per expert,
             a shared expert and its gate), layer 1 a dense MLP; otherwise as ``decoder``.
@@ -78,6 +82,8 @@ def make_weights(
         return {f"tiny.{index}": randn(3 + index % 5) for index in range(3000)}
     if profile == "decoder":
         return _decoder_weights(randn)
+    if profile == "decoder_blocks":
+        return _decoder_weights(randn, DECODER_BLOCKS)
     if profile in ("moe", "moe_fused"):
         return _moe_weights(randn, fused=profile == "moe_fused")
     if profile == "buckets":  # a little under 1/32 of a bucket each, alignment included
@@ -112,7 +118,7 @@ def make_weights(
                    if tensor.is_floating_point() and tensor.nbytes < bucket_size}
     elif profile != "standard":
         raise ValueError(f"unknown weights profile {profile!r}: use standard, tiny, buckets, "
-                         "decoder, moe, moe_fused, large or rollout_floats")
+                         "decoder, decoder_blocks, moe, moe_fused, large or rollout_floats")
     return weights
 
 
@@ -120,11 +126,16 @@ DECODER = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                        intermediate_size=48)
 """The geometry of the ``decoder`` weights profile (hidden size 32)."""
 
+DECODER_BLOCKS = DecoderShape(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              intermediate_size=320)
+"""The geometry of the ``decoder_blocks`` weights profile (hidden size 256; k/v of 128
+rows; an MLP of 320, two and a half blocks)."""
 
-def _decoder_weights(randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
-    hidden, vocab = 32, 100
-    heads, kv = DECODER.num_attention_heads * DECODER.head_dim, (
-        DECODER.num_key_value_heads * DECODER.head_dim)
+
+def _decoder_weights(randn: Callable[..., torch.Tensor], shape: DecoderShape = DECODER
+                     ) -> dict[str, torch.Tensor]:
+    hidden, vocab = shape.num_attention_heads * shape.head_dim, 100
+    heads, kv = hidden, shape.num_key_value_heads * shape.head_dim
     weights = {"model.embed_tokens.weight": randn(vocab, hidden)}
     for layer in range(2):
         prefix = f"model.layers.{layer}"
@@ -138,9 +149,9 @@ def _decoder_weights(randn: Callable[..., torch.Tensor]) -> dict[str, torch.Tens
             f"{prefix}.self_attn.v_proj.bias": randn(kv),
             f"{prefix}.self_attn.o_proj.weight": randn(hidden, heads),
             f"{prefix}.post_attention_layernorm.weight": randn(hidden),
-            f"{prefix}.mlp.gate_proj.weight": randn(DECODER.intermediate_size, hidden),
-            f"{prefix}.mlp.up_proj.weight": randn(DECODER.intermediate_size, hidden),
-            f"{prefix}.mlp.down_proj.weight": randn(hidden, DECODER.intermediate_size),
+            f"{prefix}.mlp.gate_proj.weight": randn(shape.intermediate_size, hidden),
+            f"{prefix}.mlp.up_proj.weight": randn(shape.intermediate_size, hidden),
+            f"{prefix}.mlp.down_proj.weight": randn(hidden, shape.intermediate_size),
         })
     weights["model.norm.weight"] = randn(33)
     weights["lm_head.weight"] = randn(vocab, hidden)

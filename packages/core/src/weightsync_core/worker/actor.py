@@ -237,7 +237,8 @@ class ActorCheckpointEngineMixin:
         if method == "prepare" and getattr(engine, "executes_layouts", False):
             adapter = kwargs.pop("adapter", None)
             if adapter is None:
-                engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()))
+                engine.declare_layout(self.weight_layout(), weights_spec(self.weight_shapes()),
+                                      self.checkpoint_engine_config.rollout_quantization)
             else:  # an adapter goes whole, whatever this rank holds of the base
                 engine.declare_layout(None, weights_spec(await self._adapter_shapes(adapter)))
         return await execute_engine_method(engine, method, kwargs)
@@ -316,7 +317,8 @@ class ActorCheckpointEngineMixin:
         else:
             source = (self.iter_weight_shards() if getattr(engine, "executes_layouts", False)
                       and self.weight_layout() is not None else self.iter_weights())
-            if self.checkpoint_engine_config.rollout_quantization is not None:
+            if (self.checkpoint_engine_config.rollout_quantization is not None
+                    and not getattr(engine, "quantizes_shards", False)):
                 source, rollout_dtype = QuantizedWeights(source, rollout_dtype), None
         weights = sender.encoded(
             engine, _ProducedWeights(source, engine.progress, taken,

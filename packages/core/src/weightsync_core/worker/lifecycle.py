@@ -43,9 +43,10 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
     this process's and the one the config carries from the driver), check what depends on
     this machine, then build the configured engine.
 
-    ``rollout_dtype`` (when set, unless ``rollout_quantization`` is: then the actor casts
-    while it quantizes), ``verify`` and ``timeout`` go to engines whose constructor
-    takes them; an engine written for verl, which knows none of them, gets only
+    ``rollout_dtype`` (when set, unless ``rollout_quantization`` is and the engine does not
+    quantize itself, ``quantizes_shards``: then the actor casts while it quantizes),
+    ``verify`` and ``timeout`` go to engines whose constructor takes them; an engine
+    written for verl, which knows none of them, gets only
     ``bucket_size`` and its ``engine_kwargs`` and then, unless it set one of its own, the
     sync's timeout as its ``timeout`` attribute (what the helpers it uses wait at most).
 
@@ -59,8 +60,9 @@ def build_engine(config: CheckpointEngineConfig) -> CheckpointEngine:
     engine_cls = CheckpointEngineRegistry.get(config.backend)
     check_on_this_machine(engine_cls, config)
     options = {"verify": config.verify, "timeout": config.sync_timeout_seconds}
-    if config.rollout_dtype is not None and config.rollout_quantization is None:
-        # (a quantized stream is cast before the engine sees it: its scales stay float32)
+    if config.rollout_dtype is not None and (config.rollout_quantization is None
+                                             or getattr(engine_cls, "quantizes_shards", False)):
+        # (the actor casts a stream it quantizes: its scales stay float32)
         options["rollout_dtype"] = config.rollout_torch_dtype  # verl's take a dtype
     engine = engine_cls(
         bucket_size=config.bucket_size_bytes,

@@ -19,6 +19,7 @@ from weightsync_core.data.shards.layout import (
     check_coverage,
     fsdp_layout,
 )
+from weightsync_core.data.shards.quantized import scale_tensors, with_scale_boxes
 from weightsync_core.data.shards.tensor_parallel import DecoderShape, decoder_tensor_parallel_layout
 from weightsync_core.data.shards.transfers import TransferPlan, layout_problem
 from weightsync_core.data.sync_layout import SyncLayout
@@ -72,13 +73,20 @@ def boxes_spec(layout: Layout) -> dict[str, Any]:
     return {"boxes": {name: [list(r) for r in box.ranges] for name, box in layout.boxes.items()}}
 
 
-def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
-    """The layout ``spec`` names for tensors of ``shapes``.
+def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str, holds: bool = False
+                   ) -> Layout:
+    """The layout ``spec`` names for tensors of ``shapes``; where ``shapes`` hold the
+    scales of weights quantized on send, the spec is resolved against the weights and each
+    scale tensor's box follows its weight's (an actor rank, ``holds``: the blocks whose
+    first element it holds; a worker: every block its box touches; see
+    :func:`~weightsync_core.data.shards.quantized.with_scale_boxes`).
 
     Raises:
         ValueError: naming ``who``, a spec of no known kind, with wrong fields, or whose
             layout does not fit ``shapes``.
     """
+    scales = scale_tensors(shapes)
+    full, shapes = shapes, {name: shape for name, shape in shapes.items() if name not in scales}
     try:
         if spec is None:
             layout = Layout.whole(shapes)
@@ -115,7 +123,8 @@ def resolve_layout(spec: LayoutSpec | None, shapes: Shapes, who: str) -> Layout:
                              f"got {sorted(spec)}")
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{who}: its layout {spec!r} cannot be used: {exc}") from None
-    layout.check(shapes, who)
+    layout = with_scale_boxes(layout, full, holds)
+    layout.check(full, who)
     return layout
 
 
@@ -145,7 +154,7 @@ def plan_layouts(shapes: Shapes, specs: Sequence[LayoutSpec | None], actor_ranks
         who = (f"actor rank {rank}" if index < actor_ranks else
                names.rollout_name(rank) if names is not None else f"rollout rank {rank}")
         try:
-            layouts.append(resolve_layout(spec, shapes, who))
+            layouts.append(resolve_layout(spec, shapes, who, holds=index < actor_ranks))
         except ValueError as exc:
             raise LayoutMismatchError(str(exc), index=index, problem=layout_problem(exc, who)
                                       ) from None
