@@ -81,14 +81,6 @@ def test_bad_overrides_are_explained(override, message):
         load_config(overrides=[override])
 
 
-def test_quantized_syncs_into_tensor_parallel_replicas_are_refused():
-    prefix = "actor_rollout_ref.rollout."
-    load_config(overrides=[prefix + "checkpoint_engine.rollout_quantization=fp8_block"])
-    with pytest.raises(ConfigError, match="tensor-parallel HF replicas do not take quantized"):
-        load_config(overrides=[prefix + "checkpoint_engine.rollout_quantization=fp8_block",
-                               prefix + "tensor_model_parallel_size=2"])
-
-
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

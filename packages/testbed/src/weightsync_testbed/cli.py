@@ -107,6 +107,26 @@ def _delta(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantized(args: argparse.Namespace) -> int:
+    """bf16 against fp8_block syncs from an actor host to a replica host over one shaped
+    link."""
+    from weightsync_core.bench.quantized import run_quantized_benchmark
+    from weightsync_testbed.bench import DEFAULT_ENGINE_KWARGS
+    from weightsync_testbed.placement import HostPlacement
+
+    link = Link(args.link)
+    with Testbed(hosts=["a0", "r0"], link=link, prefix="wstq"):
+        result = run_quantized_benchmark(
+            args.backend, DEFAULT_ENGINE_KWARGS.get(args.backend, {}), args.size_mb,
+            repeats=args.repeats, bucket_megabytes=args.bucket_mb,
+            placement=HostPlacement(["a0"], ["r0"]))
+    print(result.table())
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
 def _sharded(args: argparse.Namespace) -> int:
     """Sharded delivery against full copies, every process on a host of its own."""
     from weightsync_testbed.sharded_bench import run_sharded_bench
@@ -175,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "of the bf16 elements change)")
     delta.add_argument("--json-out", help="also write the result as JSON to this file")
     delta.set_defaults(run=_delta)
+    quantized = commands.add_parser(
+        "quantized", help="bf16 against fp8_block syncs (config.rollout_quantization) from an "
+        "actor host to a replica host over one shaped link")
+    quantized.add_argument("backend", nargs="?", default="gloo",
+                           help="gloo, nixl or mooncake (default: gloo)")
+    quantized.add_argument("--size-mb", type=int, default=1024, help="fp32 masters (MiB)")
+    quantized.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    quantized.add_argument("--repeats", type=int, default=3, help="timed syncs of each mode")
+    quantized.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
+    quantized.add_argument("--json-out", help="also write the result as JSON to this file")
+    quantized.set_defaults(run=_quantized)
     sharded = commands.add_parser(
         "sharded", help="sharded delivery against full copies: actor hosts into replicas of "
         "TP workers, every process on a host of its own")

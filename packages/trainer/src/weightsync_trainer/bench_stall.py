@@ -75,6 +75,11 @@ class PolicySource(ActorCheckpointEngineMixin):
         """Every parameter, by name."""
         yield from ((name, p.detach()) for name, p in self.model.named_parameters())
 
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every parameter's shape and dtype, in stream order (what a backend that delivers
+        layouts plans with; this source holds every tensor whole)."""
+        return {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights, by parameter name."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}

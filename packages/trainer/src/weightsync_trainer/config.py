@@ -222,13 +222,6 @@ class RolloutConfig:
                 f"tensor_model_parallel_size={self.tensor_model_parallel_size} with "
                 f"workers_per_replica={self.workers_per_replica}: a tensor-parallel "
                 "replica's workers split one model; set workers_per_replica=1")
-        quantization = self.checkpoint_engine.rollout_quantization
-        if self.tensor_model_parallel_size > 1 and quantization is not None:
-            raise ConfigError(
-                f"checkpoint_engine.rollout_quantization={quantization!r} with "
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size}: the "
-                "tensor-parallel HF replicas do not take quantized weights yet; leave "
-                "rollout_quantization unset or serve with tensor_model_parallel_size=1")
 
 
 @dataclass

@@ -35,9 +35,9 @@ from weightsync_core.data.bucketing import (
 __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
-    "Offsets",
     "QUANTIZED_BLOCK",
     "SCALE_SUFFIX",
+    "Offsets",
     "QuantizedWeights",
     "block_amax",
     "covered_blocks",

@@ -11,6 +11,13 @@ from typing import Any
 
 import torch
 
+from weightsync_core.data.quantization import (
+    Offsets,
+    covered_blocks,
+    dequantized,
+    dequantized_stream,
+    quantized_weight_of,
+)
 from weightsync_core.data.shards import (
     DecoderShape,
     Layout,
@@ -20,6 +27,7 @@ from weightsync_core.data.shards import (
     resolve_layout,
     tensor_parallel_spec,
 )
+from weightsync_core.data.shards.quantized import scale_box
 from weightsync_trainer.config import MOE_MODEL_TYPES, ModelConfig
 from weightsync_trainer.errors import ConfigError
 from weightsync_trainer.workers.generation import HFGenerationServer
@@ -39,7 +47,9 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
     It declares its slices as its ``weight_layout`` (sharded backends deliver only those);
     other backends deliver whole tensors, of which it keeps its slices
-    (``takes_whole_weights``). Its model holds its own slices, fresh after every sync, and
+    (``takes_whole_weights``). Weights quantized on send (``fp8_block``) arrive as float8
+    slices with the scales of the blocks they touch (or whole, with every scale), and are
+    dequantized slice by slice. Its model holds its own slices, fresh after every sync, and
     is made whole from its peers' slices (:meth:`set_peers`) when it next generates or
     reports its checksum; a peer on another weights version is refused, naming it.
 
@@ -72,6 +82,10 @@ class TensorParallelGenerationServer(HFGenerationServer):
             raise ConfigError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size}: {exc}") from None
         self.tp_rank = tp_rank
+        self.offsets: Offsets = {name: (box.ranges[0][0], box.ranges[1][0])
+                                 for name, box in self.layout.boxes.items()
+                                 if len(box.ranges) == 2}
+        """Where each 2-D slice lies in its whole weight (a float8 slice's blocks)."""
         self.peers: Sequence[Any] = ()
         self._whole_version: int | None = None
         self._assembling = asyncio.Lock()
@@ -89,20 +103,29 @@ class TensorParallelGenerationServer(HFGenerationServer):
         """This worker's slice of ``tensor`` (a piece of its box's shape, or a whole tensor
         it cuts its box from).
 
+        A quantized weight's scales (``<weight>_scale_inv``): those of the blocks its slice
+        touches, received as they are or cut from every scale of the weight.
+
         Raises:
             KeyError: the model has no such parameter.
             ValueError: ``tensor`` is neither the box's shape nor the whole's.
         """
-        target, box = params.get(name), self.layout.boxes.get(name)
-        if target is None or box is None:
-            raise KeyError(f"received weight {name!r}, which the rollout model lacks")
-        if tuple(tensor.shape) == tuple(target.shape):
+        weight = quantized_weight_of(name)
+        if weight is not None and weight in self.layout.boxes and weight in params:
+            box = scale_box(self.layout.boxes[weight], holds=False)
+            target_shape = covered_blocks(params[weight].shape)
+        else:
+            target, box = params.get(name), self.layout.boxes.get(name)
+            if target is None or box is None:
+                raise KeyError(f"received weight {name!r}, which the rollout model lacks")
+            target_shape = tuple(target.shape)
+        if tuple(tensor.shape) == target_shape:
             return box.cut(tensor)
         if tuple(tensor.shape) != box.shape:
             raise ValueError(
                 f"weight {name!r}: received shape {tuple(tensor.shape)}; tensor-parallel rank "
                 f"{self.tp_rank} needs its slice {box} (shape {box.shape}) or the whole "
-                f"{tuple(target.shape)}")
+                f"{target_shape}")
         return tensor
 
     def check_staged_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -116,7 +139,9 @@ class TensorParallelGenerationServer(HFGenerationServer):
         fill, so it copies its boxes rather than adopting tensors; returns copies of the
         slices it held."""
         params = self.checkpoint_tensors()
-        pieces = {name: self._own_slice(name, tensor, params) for name, tensor in tensors.items()}
+        pieces = dequantized(
+            {name: self._own_slice(name, tensor, params) for name, tensor in tensors.items()},
+            self._compute_dtype, self.offsets)
         self._check_whole(set(pieces), params, version)
         served = {name: self.layout.boxes[name].cut(params[name].detach()).clone()
                   for name in pieces}
@@ -140,8 +165,8 @@ class TensorParallelGenerationServer(HFGenerationServer):
 
         self._whole_version = None
         with torch.no_grad():
-            await super().update_weights(_placed(own_slices(), params, self.layout),
-                                         global_steps)
+            slices = dequantized_stream(own_slices(), self._compute_dtype, self.offsets)
+            await super().update_weights(_placed(slices, params, self.layout), global_steps)
 
     def tensor_parallel_slices(self) -> tuple[int | None, Slices]:
         """This worker's weights version and its slice of every tensor."""
