@@ -10,8 +10,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import ray
 import torch
 
+from weightsync_core.api.errors import SyncStageError
 from weightsync_core.data.quantization import (
     QuantizedWeights,
     block_amax,
@@ -31,6 +33,7 @@ from weightsync_core.testing.quantized_syncs import (
 )
 from weightsync_core.testing.weights import (
     DECODER_BLOCKS,
+    Faults,
     digest,
     digests,
     make_weights,
@@ -282,3 +285,44 @@ def test_the_benchmark_measures_bf16_against_fp8_side_by_side():
     assert 0.0 < result.row("fp8_block delta").changed_fraction < 1.0
     assert set(result.quantize_seconds_per_gib) == {"float32", "bfloat16"}
     assert "bf16 / fp8_block" in result.table()
+
+
+def test_an_actor_rank_that_dies_before_agreeing_scales_is_blamed(sharded_harness):
+    # actor rank 1 dies after 3 tensors: the others wait for its part of a quantized
+    # weight's block amax, and the sync fails within its timeout naming it; the replaced
+    # rank's next sync gives every worker its slices of the reference's bytes and scales
+    harness = sharded_harness
+    if len(harness.actors) == 1:
+        pytest.skip("no other rank to agree scales with")
+    ranks = len(harness.actors)
+    layouts = [None, tensor_parallel_spec(DECODER_BLOCKS, 2, 0),
+               tensor_parallel_spec(DECODER_BLOCKS, 2, 1)]
+    workers = [worker for replica in harness.replicas for worker in replica.workers]
+    ray.get([worker.set_layout.remote(layout) for worker, layout in zip(workers, layouts,
+                                                                        strict=True)])
+    try:
+        harness.set_weights(seed=21, profile="decoder_blocks")
+        ray.get([actor.set_layout.remote(fsdp_spec(ranks, rank))
+                 for rank, actor in enumerate(harness.actors)])
+        ray.get(harness.actors[1].set_weights.remote(21, "decoder_blocks", Faults(die_after=3)))
+        manager = harness.manager(sync_timeout_seconds=10)
+        try:
+            with pytest.raises(SyncStageError) as info:
+                manager.update_weights_sync(global_steps=21, allow_manifest_change=True)
+        finally:
+            harness.replace_actor(1)
+        assert info.value.worker == "actor_wg rank 1", str(info.value)
+        assert "agreeing scales failed with actor rank 1" in str(info.value)  # rank 0 waited
+        harness.set_weights(seed=22, profile="decoder_blocks")
+        ray.get([actor.set_layout.remote(fsdp_spec(ranks, rank))
+                 for rank, actor in enumerate(harness.actors)])
+        harness.manager().update_weights_sync(global_steps=22, allow_manifest_change=True)
+        final = _expected(make_weights(22, CONFIG.bucket_size_bytes, "decoder_blocks"))
+        shapes = {name: tuple(tensor.shape) for name, tensor in final.items()}
+        for report, spec in zip(harness.reports(), layouts, strict=True):
+            layout = resolve_layout(spec, shapes, "worker")
+            assert report["received"] == {name: digest(box.cut(final[name]).contiguous())
+                                          for name, box in layout.boxes.items()}
+    finally:
+        ray.get([actor.set_layout.remote(None) for actor in harness.actors])
+        ray.get([worker.set_layout.remote(None) for worker in workers])

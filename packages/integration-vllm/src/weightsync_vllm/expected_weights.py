@@ -45,15 +45,36 @@ class TensorSpec:
         return f"shape {list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
 
 
+_FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+"""Dtypes whose values mean nothing without their block scales: no cast into or out of
+them keeps a weight's values."""
+
+
 def _accepts(expected: TensorSpec, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` can be loaded where the checkpoint holds ``expected``: the same
     shape, and a floating-point dtype for a floating-point tensor (vLLM's loaders cast it to
-    the model's dtype), else the very dtype."""
+    the model's dtype), but float8 only where the checkpoint holds float8 and there the very
+    dtype (a cast into or out of float8 drops the scales); else the very dtype."""
     if tuple(tensor.shape) != expected.shape:
         return False
+    if expected.dtype in _FLOAT8 or tensor.dtype in _FLOAT8:
+        return tensor.dtype == expected.dtype
     if expected.dtype.is_floating_point:
         return tensor.dtype.is_floating_point
     return tensor.dtype == expected.dtype
+
+
+def _quantization_hint(expected: TensorSpec, tensor: torch.Tensor) -> str:
+    """What to change where a weight arrived quantized for an unquantized model, or the
+    other way round ("" otherwise)."""
+    if expected.dtype in _FLOAT8 and tensor.dtype not in _FLOAT8:
+        return (". This model was started from a block-FP8 checkpoint: sync with "
+                "rollout_quantization='fp8_block' (the weights then travel in float8 with "
+                "their scales)")
+    if tensor.dtype in _FLOAT8 and expected.dtype not in _FLOAT8:
+        return (". This model's checkpoint is not quantized: leave rollout_quantization "
+                "unset, or start the replica from a block-FP8 checkpoint")
+    return ""
 
 
 def _listed(names: Collection[str]) -> str:
@@ -122,7 +143,8 @@ class ExpectedWeights:
             sent = TensorSpec(tuple(tensor.shape), tensor.dtype)
             raise VerificationError(
                 f"tensor {name!r} arrived with {sent.describe()}, but this vLLM model holds "
-                f"{expected.describe()} ({self.source}); refused before loading it",
+                f"{expected.describe()} ({self.source}); refused before loading it"
+                f"{_quantization_hint(expected, tensor)}",
                 tensors=[name],
             )
 

@@ -42,7 +42,9 @@ from weightsync_core.data.shards.layout import Layout, Shapes
 
 __all__ = ["ShardQuantizer", "scale_tensors", "travel_weights", "with_scale_boxes"]
 
-_HEADER = struct.Struct("<16sQ")  # the plan's digest, the quantized tensor's index
+_HEADER = struct.Struct("<16sQII")
+"""The plan's digest, the quantized tensor's index, the sending and the receiving actor rank
+(a sealed frame replayed to another rank, the other way or for another tensor is refused)."""
 
 
 def travel_weights(shapes: Shapes, dtypes: Mapping[str, torch.dtype],
@@ -206,7 +208,7 @@ class ShardQuantizer:
 
     def _send(self, amax: torch.Tensor, rank: int, tag: int, index: int) -> None:
         exchange = self.exchange
-        body = _HEADER.pack(bytes.fromhex(exchange.plan.digest), index) + \
+        body = _HEADER.pack(bytes.fromhex(exchange.plan.digest), index, self.rank, rank) + \
             amax.contiguous().numpy().tobytes()
         frame = torch.frombuffer(bytearray(exchange.sealer.seal(body)), dtype=torch.uint8)
         peer = f"actor rank {rank}"
@@ -228,10 +230,10 @@ class ShardQuantizer:
             raise TransferError(f"actor rank {self.rank}: the block amax from {peer} was not "
                                 "sealed under this sync's key", peer=peer,
                                 stage="agreeing scales") from None
-        plan, got = _HEADER.unpack_from(body)
-        if plan.hex() != exchange.plan.digest or got != index:
+        plan, got, sender, receiver = _HEADER.unpack_from(body)
+        if (plan.hex(), got, sender, receiver) != (exchange.plan.digest, index, rank, self.rank):
             raise TransferError(f"actor rank {self.rank}: the block amax from {peer} is "
-                                "another tensor's or another plan's", peer=peer,
-                                stage="agreeing scales")
+                                "another tensor's, another plan's or another pair of ranks'",
+                                peer=peer, stage="agreeing scales")
         amax = torch.frombuffer(bytearray(body[_HEADER.size:]), dtype=torch.float32)
         return amax.view(like.shape)
