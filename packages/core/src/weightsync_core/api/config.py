@@ -141,7 +141,9 @@ class CheckpointEngineConfig:
             layer's weight as float8_e4m3fn plus a float32 ``<name>_scale_inv`` per 128x128
             block, as DeepSeek-V3/Qwen3-FP8 checkpoints store them; embeddings, the LM head,
             norms and routers travel unquantized, cast to ``rollout_dtype`` where set).
-            Backends that deliver layouts (the sharded ones) refuse it.
+            Backends that deliver layouts (the sharded ones) quantize each actor rank's
+            rows, one scale per block agreed between the ranks
+            (:mod:`weightsync_core.data.shards.quantized`).
         delta: after a full sync, send per tensor only what differs bitwise from the version
             every receiver of the sync holds (a patch; the whole tensor where a patch would
             be larger), and check every rebuilt tensor whole against the sender's digest
