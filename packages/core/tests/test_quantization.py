@@ -201,7 +201,9 @@ def test_what_stays_unquantized():
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate.weight",
                  "model.layers.0.mlp.shared_expert_gate.weight",
-                 "model.layers.0.self_attn.kv_a_layernorm.weight"):
+                 "model.layers.0.self_attn.kv_a_layernorm.weight",
+                 "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                 "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"):
         assert not quantizes(name, matrix), name
     assert not quantizes("model.layers.0.self_attn.q_proj.bias", matrix)
     assert not quantizes("model.layers.0.self_attn.q_proj.weight", vector)

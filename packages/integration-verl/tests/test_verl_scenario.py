@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
+from verl.utils.kernel.fp8_kernel import _scaled_fp8_blockwise_pytorch
 from verl.workers.config import CheckpointEngineConfig
 
+from weightsync_core.data.quantization import dequantize_fp8_block, quantize_fp8_block
 from weightsync_verl import CheckpointEngineManager
 from weightsync_verl.engines import weightsync_backend_name
 from weightsync_verl.scenario import make_cluster, make_manager
@@ -124,3 +127,43 @@ def test_verls_manager_moves_delta_syncs_bit_exact(cluster) -> None:
         asyncio.run(train())
     finally:
         cluster.use_backend(_config(backend))
+
+
+def test_verls_manager_moves_fp8_syncs_which_verls_fp8_rollout_quantizes_to_the_same_bytes(
+        workers) -> None:
+    """``rollout_quantization: fp8_block`` in the engine kwargs: each linear weight travels
+    as float8 with its block scales (the bytes counted), every rollout worker hands verl's
+    server the weights dequantized to bf16 (as verl's servers load them), two syncs; verl's
+    own FP8 quantizer (what its vLLM worker runs on them under ``rollout.quantization:
+    fp8``) turns them back into the very float8 bytes that travelled."""
+    workers.use_backend(_config("gloo", rollout_quantization="fp8_block",
+                                rollout_dtype="bfloat16"))
+    manager = make_manager(workers)
+
+    async def train() -> None:
+        for step in (41, 42):
+            workers.perturb(step)
+            metrics = await manager.update_weights(global_steps=step)
+            quantized = workers.quantized("bfloat16")
+            _check(workers, quantized["digests"], step)
+            assert metrics["weightsync/bytes"] == quantized["nbytes"]
+            # fewer than bf16's (this tiny model is mostly its bf16 embeddings)
+            assert quantized["nbytes"] < workers.nbytes() / 2
+
+    try:
+        asyncio.run(train())
+    finally:
+        workers.use_backend(_config(BACKENDS[0]))
+
+
+def test_verls_fp8_quantizer_turns_the_delivered_weights_back_into_the_sent_bytes() -> None:
+    generator = torch.Generator().manual_seed(7)
+    for shape in ((300, 260), (1024, 512), (128, 4096)):
+        weight = torch.randn(*shape, generator=generator) * torch.logspace(-4, 1, shape[1])
+        sent, scales = quantize_fp8_block(weight)
+        delivered = dequantize_fp8_block(sent, scales, torch.bfloat16)
+        requantized, verl_scales = _scaled_fp8_blockwise_pytorch(delivered, [128, 128])
+        assert torch.equal(requantized.view(torch.uint8), sent.view(torch.uint8)), shape
+        # verl's scale of the bf16 values: the same within bf16's rounding of the amax
+        assert torch.allclose(verl_scales.squeeze(-1), scales, rtol=2**-7, atol=0.0)
+

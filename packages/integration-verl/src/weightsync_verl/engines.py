@@ -35,6 +35,8 @@ from weightsync_core import (
     TransferStats,
     new_session_key,
 )
+from weightsync_core.api.dtypes import parse_rollout_dtype
+from weightsync_core.data.quantization import FP8_BLOCK, QuantizedWeights, dequantized_stream
 from weightsync_core.spi import (
     DeltaPlan,
     DeltaReceiver,
@@ -93,19 +95,28 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
             checked whole after apply. For backends whose engine ``supports_delta``.
         full_verify_every: with ``delta``, every Nth sync sends whole tensors (0: only
             where needed), as weightsync-core's ``CheckpointEngineConfig`` option.
+        rollout_quantization: ``"fp8_block"``: each linear layer's weight travels as
+            float8 with its block scales (half the bytes of bf16;
+            :mod:`weightsync_core.data.quantization`), quantized on the actor rank, and the
+            rollout worker hands verl's server the weights dequantized to ``rollout_dtype``
+            (float32 where unset), as verl's servers load them: verl's own FP8 rollout
+            (``rollout.quantization: fp8``) quantizes them again, to the very float8 bytes
+            that travelled.
         **engine_kwargs: the weightsync backend's options (``engine_kwargs`` of the verl
             config), e.g. ``timeout``, ``verify``, ``rollout_dtype``, ``rebuild_group``.
 
     Raises:
         ValueError: ``delta`` for a backend that cannot move it, ``full_verify_every``
-            without ``delta``.
+            without ``delta``, an unknown ``rollout_quantization`` or one for a backend that
+            delivers layouts.
     """
 
     backend: ClassVar[str] = ""
     """The weightsync backend this class adapts."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, delta: bool = False,
-                 full_verify_every: int = 0, **engine_kwargs: Any) -> None:
+                 full_verify_every: int = 0, rollout_quantization: str | None = None,
+                 **engine_kwargs: Any) -> None:
         if isinstance(full_verify_every, bool) or not isinstance(full_verify_every, int) or (
                 full_verify_every < 0):
             raise ValueError(f"full_verify_every must be an integer >= 0 (0: only where "
@@ -117,6 +128,21 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 "as well, or drop full_verify_every"
             )
         self.bucket_size = bucket_size
+        self.rollout_quantization = rollout_quantization
+        self.rollout_dtype: torch.dtype | None = None
+        """Where ``rollout_quantization`` is set: what travels unquantized is cast to, and
+        what the rollout worker dequantizes into (the engine itself casts nothing then: the
+        scales stay float32)."""
+        if rollout_quantization is not None:
+            if rollout_quantization != FP8_BLOCK:
+                raise ValueError(f"rollout_quantization {rollout_quantization!r} is not known; "
+                                 f"use {FP8_BLOCK!r} or leave it unset")
+            if getattr(CheckpointEngineRegistry.get(self.backend), "executes_layouts", False):
+                raise ValueError(
+                    f"rollout_quantization: weightsync backend {self.backend!r} delivers "
+                    "layouts, which verl's workers do not declare; use a full-copy backend "
+                    "(weightsync_gloo, weightsync_nixl, weightsync_mooncake, weightsync_kimi)")
+            self.rollout_dtype = parse_rollout_dtype(engine_kwargs.pop("rollout_dtype", None))
         self.engine: CheckpointEngine = CheckpointEngineRegistry.new(
             self.backend, bucket_size=bucket_size, is_master=is_master, **engine_kwargs
         )
@@ -204,8 +230,10 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         plan = self._plan
         encoding = plan is not None and self.engine.sends_weights()
         sender = self._actor_sender()
-        weights = sender.encoded(self.engine, weights, plan, self.engine.rollout_dtype,
-                                 encoding)
+        rollout_dtype = self.engine.rollout_dtype
+        if self.rollout_quantization is not None:
+            weights, rollout_dtype = QuantizedWeights(weights, self.rollout_dtype), None
+        weights = sender.encoded(self.engine, weights, plan, rollout_dtype, encoding)
         self._stats = await self.engine.send_weights(weights, global_steps)
         if not self._stats.num_tensors:
             return {}
@@ -246,7 +274,8 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
         self, global_steps: int | None = None, *, lora_sections: bool = False
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """The weightsync engine's received tensors (with delta sync, whole tensors rebuilt
-        from their patches), counted for :meth:`transfer_stats`.
+        from their patches; with ``rollout_quantization``, float8 weights dequantized), counted
+        as they arrived for :meth:`transfer_stats`.
 
         A LoRA policy's sync (:mod:`weightsync_verl.lora`) carries headers between its
         sections, which only a receiver that splits them (``lora_sections``) may take.
@@ -256,7 +285,10 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                 worker's receive, which does not split one).
         """
         self._stats = TransferStats()
-        received = self.delta_receiver.received(self.engine, global_steps, self._plan)
+        received = self._counted(self.delta_receiver.received(self.engine, global_steps,
+                                                              self._plan))
+        if self.rollout_quantization is not None:
+            received = dequantized_stream(received, self.rollout_dtype or torch.float32)
         async for name, tensor in received:
             if name.startswith(LORA_HEADER) and not lora_sections:
                 raise WeightSyncError(
@@ -264,6 +296,12 @@ class WeightsyncCheckpointEngine(VerlCheckpointEngine):
                     "that loads every tensor as a weight: staging workers "
                     "(StagingCheckpointEngineWorker, use_staging_replicas) do not take LoRA "
                     "syncs; use verl's CheckpointEngineWorker replicas for a LoRA policy")
+            yield name, tensor
+
+    async def _counted(self, received: AsyncIterator[tuple[str, torch.Tensor]]
+                       ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``received`` as it arrived, counted for :meth:`transfer_stats`."""
+        async for name, tensor in received:
             self._stats.num_tensors += 1
             self._stats.nbytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -23,8 +23,9 @@ def weightsync_config(config: Any) -> CheckpointEngineConfig:
     """weightsync's configuration for verl's ``CheckpointEngineConfig`` ``config``.
 
     ``backend`` ``weightsync_X`` is weightsync backend ``X``; its ``engine_kwargs`` are the
-    engine's options, except ``timeout`` (seconds: it bounds the whole sync), ``verify`` and
-    ``rollout_dtype``, which are settings of weightsync's config.
+    engine's options, except ``timeout`` (seconds: it bounds the whole sync), ``verify``,
+    ``rollout_dtype`` and ``rollout_quantization``, which are settings of weightsync's
+    config.
     ``custom_backend_module`` is imported by weightsync too, unless it is this package
     (which registers into verl's registry, not weightsync's).
 
@@ -49,6 +50,7 @@ def weightsync_config(config: Any) -> CheckpointEngineConfig:
         sync_timeout_seconds=float(options.pop("timeout", _DEFAULT_TIMEOUT_SECONDS)),
         verify=options.pop("verify", True),
         rollout_dtype=options.pop("rollout_dtype", None),
+        rollout_quantization=options.pop("rollout_quantization", None),
         engine_kwargs={backend: options},
         custom_backend_module=None if module == _THIS_MODULE else module,
     )

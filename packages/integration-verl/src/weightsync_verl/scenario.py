@@ -35,6 +35,8 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from weightsync_core import close_engine
+from weightsync_core.api.dtypes import parse_rollout_dtype
+from weightsync_core.data.quantization import QuantizedWeights, dequantized
 from weightsync_verl.staging import StagingCheckpointEngineWorker
 
 __all__ = [
@@ -142,6 +144,17 @@ class TrainerWorker(Worker):
                     noise *= torch.rand(tensor.shape, generator=generator) < fraction
                 tensor.add_(noise)
         return {name: digest(tensor) for name, tensor in self.weights.items()}
+
+    @register(dispatch_mode=_ONE_TO_ALL)
+    def quantized(self, rollout_dtype: str) -> dict[str, Any]:
+        """What an ``fp8_block`` sync of the current weights moves (``nbytes``) and what a
+        rollout worker then reports (``digests``: each weight as it travels quantized,
+        dequantized to ``rollout_dtype``; the rest cast to it)."""
+        dtype = parse_rollout_dtype(rollout_dtype)
+        travelling = dict(QuantizedWeights(self.weights, dtype))
+        return {"nbytes": sum(t.numel() * t.element_size() for t in travelling.values()),
+                "digests": {name: digest(tensor) for name, tensor in
+                            dequantized(travelling, dtype or torch.float32).items()}}
 
     @register(dispatch_mode=_ONE_TO_ALL)
     def delta_kept_bytes(self) -> int:
@@ -335,6 +348,11 @@ class VerlCluster:
     def nbytes(self) -> int:
         """Bytes of one copy of the trainer's weights."""
         return self.actor_wg.nbytes()[0]  # pyright: ignore[reportAttributeAccessIssue]
+
+    def quantized(self, rollout_dtype: str) -> dict[str, Any]:
+        """What an ``fp8_block`` sync moves and every replica must report
+        (:meth:`TrainerWorker.quantized`)."""
+        return self.actor_wg.quantized(rollout_dtype)[0]  # pyright: ignore[reportAttributeAccessIssue]
 
     def delta_kept_bytes(self) -> list[int]:
         """Per trainer rank: the bytes its engine keeps for delta syncs."""

@@ -14,8 +14,8 @@ float8_e4m3fn value (ties to even). Dequantized: ``fp8 * scale``.
 
 Left unquantized (as those checkpoints leave them; they travel in ``rollout_dtype``): every
 tensor that is not a 2-D floating-point ``*.weight``, the embeddings (``embed_tokens``), the
-LM head, norms, and a mixture-of-experts router (``*.mlp.gate.weight``,
-``*.mlp.shared_expert_gate.weight``).
+LM head, norms, a mixture-of-experts router (``*.mlp.gate.weight``,
+``*.mlp.shared_expert_gate.weight``) and a LoRA adapter's matrices (``lora_A``, ``lora_B``).
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ MIN_AMAX = 1e-4
 SCALE_SUFFIX = "_scale_inv"
 """Appended to a quantized weight's name to name its scales (``...weight_scale_inv``)."""
 _UNQUANTIZED = re.compile(
-    r"(^|\.)(embed_tokens|lm_head|[a-z_]*norm[a-z_]*)\.|\.mlp\.(gate|shared_expert_gate)\.weight$")
+    r"(^|\.)(embed_tokens|lm_head|[a-z_]*norm[a-z_]*|lora_[AB])\.|"
+    r"\.mlp\.(gate|shared_expert_gate)\.weight$")
 """Names whose weights stay unquantized (embeddings, head, norms, a MoE router and a shared
-expert's gate)."""
+expert's gate, a LoRA adapter's matrices)."""
 
 
 def quantizes(name: str, tensor: torch.Tensor) -> bool:
     """Whether ``fp8_block`` quantizes the tensor ``name``: a 2-D floating-point
-    ``*.weight`` outside embeddings, the LM head, norms and a MoE router's gates."""
+    ``*.weight`` outside embeddings, the LM head, norms, a MoE router's gates and a LoRA
+    adapter's ``lora_A``/``lora_B``."""
     return (tensor.dim() == 2 and tensor.is_floating_point()
             and tensor.dtype != torch.float8_e4m3fn and name.endswith(".weight")
             and _UNQUANTIZED.search(name) is None)
