@@ -289,6 +289,16 @@ def test_the_benchmark_measures_bf16_against_fp8_side_by_side():
     assert "bf16 / fp8_block" in result.table()
 
 
+@pytest.mark.parametrize("experts", ["tensor", "expert"])
+def test_sharded_fp8_syncs_of_fused_experts_into_tp_and_ep_replicas(sharded_harness, experts):
+    # the actor ranks' FSDP rows of fused experts, streamed per expert; every expert's
+    # float8 weights and scales split across the TP replica's workers, or the experts
+    # between the EP replica's workers
+    if len(sharded_harness.actors) != 2:
+        pytest.skip("run with 2 FSDP ranks (the other counts run the decoder's case)")
+    check_sharded_quantized_delta_syncs(sharded_harness, experts)
+
+
 def test_an_actor_rank_that_dies_before_agreeing_scales_is_blamed(sharded_harness):
     # actor rank 1 dies after 3 tensors: the others wait for its part of a quantized
     # weight's block amax, and the sync fails within its timeout naming it; the replaced

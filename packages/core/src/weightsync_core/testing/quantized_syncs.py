@@ -16,10 +16,17 @@ import torch
 
 from weightsync_core.api.config import CheckpointEngineConfig
 from weightsync_core.data.quantization import QuantizedWeights
-from weightsync_core.data.shards.specs import fsdp_spec, resolve_layout, tensor_parallel_spec
+from weightsync_core.data.shards.experts import per_expert_stream
+from weightsync_core.data.shards.specs import (
+    fsdp_spec,
+    moe_spec,
+    resolve_layout,
+    tensor_parallel_spec,
+)
 from weightsync_core.testing.harness import SyncHarness
 from weightsync_core.testing.weights import (
     DECODER_BLOCKS,
+    MOE,
     ONE_ELEMENT,
     TensorDigest,
     digest,
@@ -70,8 +77,8 @@ def check_quantized_delta_syncs(harness: SyncHarness, profile: str = "decoder",
         assert result["weightsync/delta"] == (0.0 if step == 0 else 1.0), (step, result)
         if step and not change:
             assert result["weightsync/changed_fraction"] == 0.0, (step, result)
-        weights = sparse_updates(
-            make_weights(_SEED, harness.config.bucket_size_bytes, profile), updates)
+        weights = dict(per_expert_stream(sparse_updates(
+            make_weights(_SEED, harness.config.bucket_size_bytes, profile), updates).items()))
         expected = _expected_slices(dict(QuantizedWeights(weights, dtype)), layouts,
                                     len(harness.reports()))
         for rank, (report, wanted) in enumerate(zip(harness.reports(), expected, strict=True)):
@@ -95,25 +102,34 @@ def _expected_slices(travelling: dict[str, torch.Tensor], layouts: list[Any] | N
     return expected
 
 
-def check_sharded_quantized_delta_syncs(harness: SyncHarness) -> list[dict[str, float]]:
-    """:func:`check_quantized_delta_syncs` through a backend that delivers layouts, of the
-    ``decoder_blocks`` weights (blocks whose rows FSDP splits between ranks, slices that cut
-    blocks): the actor ranks hold FSDP rows, a replica of one worker takes the whole model,
-    one of two is tensor parallel (TP=2); every worker bit-exact on its slices and their
-    scales after each sync. The harness's replicas must be of 1 and 2 workers."""
+def check_sharded_quantized_delta_syncs(harness: SyncHarness, experts: str | None = None
+                                        ) -> list[dict[str, float]]:
+    """:func:`check_quantized_delta_syncs` through a backend that delivers layouts: the
+    actor ranks hold FSDP rows, a replica of one worker takes the whole model, one of two
+    splits it; every worker bit-exact on its slices and their scales after each sync. The
+    harness's replicas must be of 1 and 2 workers.
+
+    Of the ``decoder_blocks`` weights (blocks whose rows FSDP splits between ranks, slices
+    that cut blocks) into a tensor-parallel replica; with ``experts`` (``"tensor"`` or
+    ``"expert"``), of the ``moe_fused`` weights (the actor ranks' FSDP rows of the fused
+    experts, streamed per expert) into a replica that splits every expert, or the experts
+    between its workers."""
     sizes = [len(replica.workers) for replica in harness.replicas]
     assert sorted(sizes) == [1, 2], f"replicas of 1 and 2 workers, got {sizes}"
     workers = [worker for replica in harness.replicas for worker in replica.workers]
     layouts = [None if len(replica.workers) == 1 else
                tensor_parallel_spec(DECODER_BLOCKS, len(replica.workers), rank)
+               if experts is None else
+               moe_spec(MOE, len(replica.workers), rank, expert_parallel=experts == "expert")
                for replica in harness.replicas for rank in range(len(replica.workers))]
     ranks = len(harness.actors)
-    ray.get([actor.set_layout.remote(fsdp_spec(ranks, rank))
+    ray.get([actor.set_layout.remote(fsdp_spec(ranks, rank, fused_experts=experts is not None))
              for rank, actor in enumerate(harness.actors)])
     ray.get([worker.set_layout.remote(layout)
              for worker, layout in zip(workers, layouts, strict=True)])
     try:
-        return check_quantized_delta_syncs(harness, "decoder_blocks", layouts)
+        return check_quantized_delta_syncs(
+            harness, "decoder_blocks" if experts is None else "moe_fused", layouts)
     finally:
         ray.get([actor.set_layout.remote(None) for actor in harness.actors])
         ray.get([worker.set_layout.remote(None) for worker in workers])
