@@ -163,6 +163,19 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_host_pair_arguments(parser: argparse.ArgumentParser, size_help: str,
+                             bucket_help: str) -> None:
+    """The arguments of a benchmark from an actor host to a replica host: the backend, the
+    model's size, the link, the repeats, the bucket size and the JSON output."""
+    parser.add_argument("backend", nargs="?", default="gloo",
+                        help="gloo, nixl or mooncake (default: gloo)")
+    parser.add_argument("--size-mb", type=int, default=1024, help=size_help)
+    parser.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind")
+    parser.add_argument("--bucket-mb", type=int, default=64, help=bucket_help)
+    parser.add_argument("--json-out", help="also write the result as JSON to this file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``weightsync-testbed``."""
     parser = argparse.ArgumentParser(prog="weightsync-testbed", description=__doc__)
@@ -182,29 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     delta = commands.add_parser(
         "delta", help="full against delta syncs (config.delta) from an actor host to a "
         "replica host over one shaped link")
-    delta.add_argument("backend", nargs="?", default="gloo",
-                       help="gloo, nixl or mooncake (default: gloo)")
-    delta.add_argument("--size-mb", type=int, default=1024, help="bf16 weights (MiB)")
-    delta.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
-    delta.add_argument("--repeats", type=int, default=3, help="timed syncs of each kind")
-    delta.add_argument("--bucket-mb", type=int, default=64,
-                       help="bucket size (MiB); smaller buckets let a delta sync's patches "
-                            "leave while the rest is still being diffed")
+    _add_host_pair_arguments(delta, "bf16 weights (MiB)", "bucket size (MiB); smaller buckets "
+                             "let a delta sync's patches leave while the rest is still being "
+                             "diffed")
     delta.add_argument("--learning-rate", type=float, default=1.6e-5,
                        help="each step's move per fp32 master element (1.6e-5: about 2%% "
                        "of the bf16 elements change)")
-    delta.add_argument("--json-out", help="also write the result as JSON to this file")
     delta.set_defaults(run=_delta)
     quantized = commands.add_parser(
         "quantized", help="bf16 against fp8_block syncs (config.rollout_quantization) from an "
         "actor host to a replica host over one shaped link")
-    quantized.add_argument("backend", nargs="?", default="gloo",
-                           help="gloo, nixl or mooncake (default: gloo)")
-    quantized.add_argument("--size-mb", type=int, default=1024, help="fp32 masters (MiB)")
-    quantized.add_argument("--link", default="1gbit", help="every host's NIC rate (tc units)")
-    quantized.add_argument("--repeats", type=int, default=3, help="timed syncs of each mode")
-    quantized.add_argument("--bucket-mb", type=int, default=64, help="bucket size (MiB)")
-    quantized.add_argument("--json-out", help="also write the result as JSON to this file")
+    _add_host_pair_arguments(quantized, "fp32 masters (MiB)", "bucket size (MiB)")
     quantized.set_defaults(run=_quantized)
     sharded = commands.add_parser(
         "sharded", help="sharded delivery against full copies: actor hosts into replicas of "
