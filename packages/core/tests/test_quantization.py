@@ -264,6 +264,10 @@ def test_ten_sharded_delta_syncs_of_fp8_are_every_workers_slices_of_the_referenc
     metrics = check_sharded_quantized_delta_syncs(sharded_harness)
     # 2% of the masters drawn anew: most blocks' amax, so their scales and every element
     assert 0.0 < metrics[-1]["weightsync/changed_fraction"] < 1.0
+    # each pass of the quantizing timed (the agreement's too, where there are ranks to agree)
+    passes = {"amax", "quantize"} | ({"agree_scales"} if len(sharded_harness.actors) > 1
+                                     else set())
+    assert {f"weightsync/passes/{name}" for name in passes} <= set(metrics[-1]), metrics[-1]
     weights = make_weights(11, CONFIG.bucket_size_bytes, "decoder_blocks")
     final = _expected(sparse_updates(weights, [c for change in QUANTIZED_CHANGES
                                                for c in change]))

@@ -327,7 +327,8 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         sync = self._require_sync()
         encoder = self._piece_encoder(sync.rank)
         sender = sync.exchange.sender(sync.rank, sync.layout, encoder)
-        quantizer = ShardQuantizer(sync.exchange, sync.rank, sync.layout, self.rollout_dtype)
+        quantizer = ShardQuantizer(sync.exchange, sync.rank, sync.layout, self.rollout_dtype,
+                                   self.passes)
         tensors = 0
         async for name, shard in iter_named_tensors(weights):
             for travelling in quantizer.convert(name, shard):

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from weightsync_core.api.errors import TransferError, UnauthenticatedMessageError
+from weightsync_core.api.passes import PassTimes
 from weightsync_core.data.bucketing import cast_for_rollout
 from weightsync_core.data.quantization import (
     FP8_BLOCK,
@@ -126,7 +127,8 @@ class ShardQuantizer:
     whether or not a rank holds rows of it: every rank sends actor rank 0 its part of the
     weight's block amax (4 bytes a block, sealed), rank 0 sends every rank the maximum; a
     rank that does not answer within the exchange's timeout fails the sync, named, at stage
-    ``agreeing scales``.
+    ``agreeing scales``. The seconds go to ``passes``: ``amax`` (this rank's part of
+    the block amax), ``agree_scales`` (the exchange) and ``quantize``.
 
     Args:
         exchange: the sync's exchange (its group, tensors as they travel, actor ranks, sealer
@@ -134,21 +136,21 @@ class ShardQuantizer:
         rank: this actor rank.
         held: this rank's layout, with its scale boxes (:func:`with_scale_boxes`).
         rollout_dtype: what the tensors left unquantized are cast to (None: as they are).
+        passes: where the seconds of each pass are counted (the engine's).
     """
 
     def __init__(self, exchange: PlanExchange, rank: int, held: Layout,
-                 rollout_dtype: torch.dtype | None) -> None:
+                 rollout_dtype: torch.dtype | None, passes: PassTimes) -> None:
         self.exchange = exchange
         self.rank = rank
         self.held = held
         self.rollout_dtype = rollout_dtype
+        self.passes = passes
         self.scales = {weight: scales
                        for scales, weight in scale_tensors(exchange.shapes).items()}
         """Each quantized weight's scale tensor, in stream order."""
         self._order = {weight: index for index, weight in enumerate(self.scales)}
         self._agreed_up_to = 0
-        self.agreed_bytes = 0
-        """Bytes of block amax this rank sent and received agreeing scales."""
 
     def convert(self, name: str, shard: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """What this rank sends of its ``shard`` of tensor ``name``: the float8 shard then
@@ -165,11 +167,14 @@ class ShardQuantizer:
         touched = scale_box(box, holds=False)
         part = torch.zeros(self.exchange.shapes[scales_name], dtype=torch.float32)
         if shard.numel():
-            touched.cut(part).copy_(block_amax(shard, offset))
-        scales = scales_of(self._agreed(index, part))
+            with self.passes.timed("amax"):
+                touched.cut(part).copy_(block_amax(shard, offset))
+        with self.passes.timed("agree_scales"):
+            scales = scales_of(self._agreed(index, part))
         self._agreed_up_to = index + 1
         if shard.numel():
-            quantized, _ = quantize_fp8_block(shard, touched.cut(scales), offset)
+            with self.passes.timed("quantize"):
+                quantized, _ = quantize_fp8_block(shard, touched.cut(scales), offset)
         else:
             quantized = torch.empty(shard.shape, dtype=torch.float8_e4m3fn)
         yield name, quantized
@@ -185,8 +190,9 @@ class ShardQuantizer:
         weight that this rank's stream passed over (it holds none of those weights)."""
         weights = list(self._order)
         for absent in range(self._agreed_up_to, index):
-            self._agreed(absent, torch.zeros(self.exchange.shapes[self.scales[weights[absent]]],
-                                             dtype=torch.float32))
+            with self.passes.timed("agree_scales"):
+                self._agreed(absent, torch.zeros(
+                    self.exchange.shapes[self.scales[weights[absent]]], dtype=torch.float32))
         self._agreed_up_to = max(self._agreed_up_to, index)
 
     def _agreed(self, index: int, part: torch.Tensor) -> torch.Tensor:
@@ -214,7 +220,6 @@ class ShardQuantizer:
         peer = f"actor rank {rank}"
         exchange.wait(exchange.post(exchange.group.send, frame, rank, tag, peer,
                                     "agreeing scales"), peer, "agreeing scales")
-        self.agreed_bytes += frame.numel()
 
     def _receive(self, like: torch.Tensor, rank: int, tag: int, index: int) -> torch.Tensor:
         exchange = self.exchange
@@ -223,7 +228,6 @@ class ShardQuantizer:
         frame = torch.empty(size, dtype=torch.uint8)
         exchange.wait(exchange.post(exchange.group.recv, frame, rank, tag, peer,
                                     "agreeing scales"), peer, "agreeing scales")
-        self.agreed_bytes += size
         try:
             body = exchange.sealer.open(frame.numpy().tobytes())
         except UnauthenticatedMessageError:
