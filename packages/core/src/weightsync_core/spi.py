@@ -24,6 +24,7 @@ nothing else.
 """
 
 from weightsync_core.api.checksums import bucket_checksum, device_checksum
+from weightsync_core.api.dtypes import parse_rollout_dtype
 from weightsync_core.api.engine import (
     CheckpointEngine,
     CheckpointEngineWithCache,
@@ -137,6 +138,7 @@ __all__ = [
     "device_checksum",
     "from_wire",
     "iter_named_tensors",
+    "parse_rollout_dtype",
     "rendezvous",
     "resolve_device",
     "run_blocking",

@@ -35,7 +35,6 @@ from weightsync_core import (
     TransferStats,
     new_session_key,
 )
-from weightsync_core.api.dtypes import parse_rollout_dtype
 from weightsync_core.data.quantization import FP8_BLOCK, QuantizedWeights, dequantized_stream
 from weightsync_core.spi import (
     DeltaPlan,
@@ -43,6 +42,7 @@ from weightsync_core.spi import (
     DeltaSender,
     SpreadDeltaSender,
     WeightSyncError,
+    parse_rollout_dtype,
 )
 
 __all__ = [

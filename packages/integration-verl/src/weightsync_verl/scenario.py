@@ -35,8 +35,8 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from weightsync_core import close_engine
-from weightsync_core.api.dtypes import parse_rollout_dtype
 from weightsync_core.data.quantization import QuantizedWeights, dequantized
+from weightsync_core.spi import parse_rollout_dtype
 from weightsync_verl.staging import StagingCheckpointEngineWorker
 
 __all__ = [
