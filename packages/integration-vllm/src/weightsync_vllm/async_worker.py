@@ -5,10 +5,16 @@ syncs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 from typing import Any
 
+import psutil
+
 from weightsync_vllm.rollout_worker_base import VLLMRolloutWorkerBase
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncVLLMRolloutWorker"]
 
@@ -79,5 +85,20 @@ class AsyncVLLMRolloutWorker(VLLMRolloutWorkerBase):
         if self._transfer_ready:
             await self._rpc("shutdown_weight_transfer_engine")
             self._transfer_ready = False
-        self._llm.shutdown()
-        self._llm = None
+        llm, self._llm = self._llm, None
+        try:
+            llm.shutdown()
+        except psutil.NoSuchProcess as exc:
+            # vLLM 0.32's kill_process_tree asks each child for its name after listing them:
+            # one that exited in between raises, and the rest of the tree is left running
+            logger.warning("vLLM's shutdown raced a process that exited (%s); killing the "
+                           "rest of its processes", exc)
+            _kill_descendants()
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process this one started (vLLM's engine core and its workers: an
+    AsyncLLM's host process starts no others), those that exit meanwhile skipped."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
