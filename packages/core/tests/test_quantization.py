@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from weightsync_core.api.errors import SyncStageError
+from weightsync_core.api.errors import SyncStageError, TransferError
 from weightsync_core.data.quantization import (
     QuantizedWeights,
     block_amax,
@@ -23,7 +23,13 @@ from weightsync_core.data.quantization import (
     scales_of,
 )
 from weightsync_core.data.shards import Box, fsdp_spec, resolve_layout, tensor_parallel_spec
-from weightsync_core.data.shards.quantized import travel_weights
+from weightsync_core.data.shards.quantized import (
+    amax_frame_bytes,
+    open_amax,
+    seal_amax,
+    travel_weights,
+)
+from weightsync_core.net.wire import MessageSealer
 from weightsync_core.testing import SyncHarness
 from weightsync_core.testing.quantized_syncs import (
     QUANTIZED_CHANGES,
@@ -193,6 +199,28 @@ def test_scale_boxes_one_holder_per_block_and_every_block_a_slice_touches():
         travel_weights(shapes, dtypes, None, "fp4")
 
 
+def test_an_agreement_frame_replayed_tampered_or_unsealed_is_refused_naming_the_sender():
+    sealer, plan = MessageSealer(b"k" * 32), "ab" * 16
+    amax = torch.tensor([[1.5, 0.25], [3.0, 0.0]])
+    frame = seal_amax(sealer, plan, 4, 1, 0, amax)
+    assert len(frame) == amax_frame_bytes(sealer, 4)
+    assert torch.equal(open_amax(sealer, frame, plan, 4, 1, 0, amax.shape), amax)
+    # replayed as another weight's, as another sender's, back the other way
+    for index, sender, receiver in ((5, 1, 0), (4, 2, 0), (4, 0, 1)):
+        with pytest.raises(TransferError, match="another tensor's, another plan's or another "
+                           "pair of ranks'"):
+            open_amax(sealer, frame, plan, index, sender, receiver, amax.shape)
+    with pytest.raises(TransferError, match="another plan's"):
+        open_amax(sealer, frame, "cd" * 16, 4, 1, 0, amax.shape)
+    tampered = bytearray(frame)
+    tampered[-1] ^= 1
+    with pytest.raises(TransferError, match="from actor rank 1 was not sealed under this "
+                       "sync's key"):
+        open_amax(sealer, bytes(tampered), plan, 4, 1, 0, amax.shape)
+    with pytest.raises(TransferError, match="not sealed"):
+        open_amax(MessageSealer(b"o" * 32), frame, plan, 4, 1, 0, amax.shape)
+
+
 def test_what_stays_unquantized():
     matrix, vector = torch.zeros(4, 4), torch.zeros(4)
     assert quantizes("model.layers.0.self_attn.q_proj.weight", matrix)
@@ -248,6 +276,22 @@ def test_ten_delta_syncs_of_fp8_are_the_quantized_bytes_on_every_worker(harness)
     check_quantized_delta_syncs(harness)
 
 
+_TP_LAYOUTS = [None, tensor_parallel_spec(DECODER_BLOCKS, 2, 0),
+               tensor_parallel_spec(DECODER_BLOCKS, 2, 1)]
+"""The sharded harness's workers: a whole replica, then a TP=2 one."""
+
+
+def _assert_reference_slices(harness, masters: dict[str, torch.Tensor]) -> None:
+    """Every worker of :data:`_TP_LAYOUTS` holds its slices of ``masters`` quantized by
+    this file's reference."""
+    final = _expected(masters)
+    shapes = {name: tuple(tensor.shape) for name, tensor in final.items()}
+    for report, spec in zip(harness.reports(), _TP_LAYOUTS, strict=True):
+        layout = resolve_layout(spec, shapes, "worker")
+        assert report["received"] == {name: digest(box.cut(final[name]).contiguous())
+                                      for name, box in layout.boxes.items()}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda ranks: f"{ranks} FSDP ranks")
 def sharded_harness(request):
     harness = SyncHarness(replace(CONFIG, backend="gloo_sharded"),
@@ -269,15 +313,8 @@ def test_ten_sharded_delta_syncs_of_fp8_are_every_workers_slices_of_the_referenc
                                      else set())
     assert {f"weightsync/passes/{name}" for name in passes} <= set(metrics[-1]), metrics[-1]
     weights = make_weights(11, CONFIG.bucket_size_bytes, "decoder_blocks")
-    final = _expected(sparse_updates(weights, [c for change in QUANTIZED_CHANGES
-                                               for c in change]))
-    shapes = {name: tuple(tensor.shape) for name, tensor in final.items()}
-    layouts = [None, tensor_parallel_spec(DECODER_BLOCKS, 2, 0),
-               tensor_parallel_spec(DECODER_BLOCKS, 2, 1)]
-    for report, spec in zip(sharded_harness.reports(), layouts, strict=True):
-        layout = resolve_layout(spec, shapes, "worker")
-        assert report["received"] == {name: digest(box.cut(final[name]).contiguous())
-                                      for name, box in layout.boxes.items()}
+    _assert_reference_slices(sharded_harness, sparse_updates(
+        weights, [c for change in QUANTIZED_CHANGES for c in change]))
 
 
 def test_the_benchmark_measures_bf16_against_fp8_side_by_side():
@@ -311,10 +348,8 @@ def test_an_actor_rank_that_dies_before_agreeing_scales_is_blamed(sharded_harnes
     if len(harness.actors) == 1:
         pytest.skip("no other rank to agree scales with")
     ranks = len(harness.actors)
-    layouts = [None, tensor_parallel_spec(DECODER_BLOCKS, 2, 0),
-               tensor_parallel_spec(DECODER_BLOCKS, 2, 1)]
     workers = [worker for replica in harness.replicas for worker in replica.workers]
-    ray.get([worker.set_layout.remote(layout) for worker, layout in zip(workers, layouts,
+    ray.get([worker.set_layout.remote(layout) for worker, layout in zip(workers, _TP_LAYOUTS,
                                                                         strict=True)])
     try:
         harness.set_weights(seed=21, profile="decoder_blocks")
@@ -333,12 +368,8 @@ def test_an_actor_rank_that_dies_before_agreeing_scales_is_blamed(sharded_harnes
         ray.get([actor.set_layout.remote(fsdp_spec(ranks, rank))
                  for rank, actor in enumerate(harness.actors)])
         harness.manager().update_weights_sync(global_steps=22, allow_manifest_change=True)
-        final = _expected(make_weights(22, CONFIG.bucket_size_bytes, "decoder_blocks"))
-        shapes = {name: tuple(tensor.shape) for name, tensor in final.items()}
-        for report, spec in zip(harness.reports(), layouts, strict=True):
-            layout = resolve_layout(spec, shapes, "worker")
-            assert report["received"] == {name: digest(box.cut(final[name]).contiguous())
-                                          for name, box in layout.boxes.items()}
+        _assert_reference_slices(harness,
+                                 make_weights(22, CONFIG.bucket_size_bytes, "decoder_blocks"))
     finally:
         ray.get([actor.set_layout.remote(None) for actor in harness.actors])
         ray.get([worker.set_layout.remote(None) for worker in workers])

@@ -199,8 +199,8 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         super().__init__(bucket_size, **kwargs)
         self.host = self.options.host
         self.layout_spec: LayoutSpec | None = None
-        self.weights_spec: Mapping[str, Any] | None = None
-        self.quantization: str | None = None
+        self.weights_spec: dict[str, Any] | None = None
+        """On an actor rank, every tensor's shape and dtype as it travels in this sync."""
         self._listener: socket.socket | None = None
         self._sync: _Sync | None = None
 
@@ -216,12 +216,13 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         Raises:
             ValueError: a quantization format that is not known.
         """
-        if weights is not None:
-            shapes, dtypes = parse_weights_spec(weights)
-            travel_weights(shapes, dtypes, self.rollout_dtype, quantization)  # checks it
         self.layout_spec = layout
-        self.weights_spec = weights
-        self.quantization = quantization
+        self.weights_spec = None
+        if weights is not None:
+            shapes, dtypes = travel_weights(*parse_weights_spec(weights), self.rollout_dtype,
+                                            quantization)
+            self.weights_spec = weights_spec({name: (shape, dtypes[name])
+                                              for name, shape in shapes.items()})
 
     # -- CheckpointEngine ----------------------------------------------------------------
     def announce(self) -> ShardedMetadata:
@@ -232,7 +233,7 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         return ShardedMetadata(
             host=host, port=self._listener.getsockname()[1],
             layout=None if self.layout_spec is None else dict(self.layout_spec),
-            weights=None if self.weights_spec is None else self._travel_spec(self.weights_spec),
+            weights=self.weights_spec,
             relay=self.options.relay,
         )
 
@@ -367,12 +368,6 @@ class ShardedGlooCheckpointEngine(TypedEngine[ShardedMetadata, ShardedArguments]
         self._end_sync()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _travel_spec(self, weights: Mapping[str, Any]) -> dict[str, Any]:
-        """``weights`` (as an actor declared them) as they travel in this sync."""
-        shapes, dtypes = travel_weights(*parse_weights_spec(weights), self.rollout_dtype,
-                                        self.quantization)
-        return weights_spec({name: (shape, dtypes[name]) for name, shape in shapes.items()})
-
     def _piece_encoder(self, rank: int) -> PieceEncoder:
         """How actor rank ``rank`` sends its pieces: as the worker's delta sender says
         (:attr:`share_encoder`), else whole."""

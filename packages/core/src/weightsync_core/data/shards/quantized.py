@@ -40,8 +40,10 @@ from weightsync_core.data.quantization import (
 from weightsync_core.data.shards.box import Box
 from weightsync_core.data.shards.exchange import PlanExchange
 from weightsync_core.data.shards.layout import Layout, Shapes
+from weightsync_core.net.wire import MessageSealer
 
-__all__ = ["ShardQuantizer", "scale_tensors", "travel_weights", "with_scale_boxes"]
+__all__ = ["ShardQuantizer", "amax_frame_bytes", "open_amax", "scale_tensors", "seal_amax",
+           "travel_weights", "with_scale_boxes"]
 
 _HEADER = struct.Struct("<16sQII")
 """The plan's digest, the quantized tensor's index, the sending and the receiving actor rank
@@ -149,7 +151,8 @@ class ShardQuantizer:
         self.scales = {weight: scales
                        for scales, weight in scale_tensors(exchange.shapes).items()}
         """Each quantized weight's scale tensor, in stream order."""
-        self._order = {weight: index for index, weight in enumerate(self.scales)}
+        self._weights = list(self.scales)
+        self._order = {weight: index for index, weight in enumerate(self._weights)}
         self._agreed_up_to = 0
 
     def convert(self, name: str, shard: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -188,11 +191,11 @@ class ShardQuantizer:
     def _agree_absent(self, index: int) -> None:
         """Take part, with nothing, in the agreements before the ``index``-th quantized
         weight that this rank's stream passed over (it holds none of those weights)."""
-        weights = list(self._order)
         for absent in range(self._agreed_up_to, index):
             with self.passes.timed("agree_scales"):
                 self._agreed(absent, torch.zeros(
-                    self.exchange.shapes[self.scales[weights[absent]]], dtype=torch.float32))
+                    self.exchange.shapes[self.scales[self._weights[absent]]],
+                    dtype=torch.float32))
         self._agreed_up_to = max(self._agreed_up_to, index)
 
     def _agreed(self, index: int, part: torch.Tensor) -> torch.Tensor:
@@ -214,9 +217,9 @@ class ShardQuantizer:
 
     def _send(self, amax: torch.Tensor, rank: int, tag: int, index: int) -> None:
         exchange = self.exchange
-        body = _HEADER.pack(bytes.fromhex(exchange.plan.digest), index, self.rank, rank) + \
-            amax.contiguous().numpy().tobytes()
-        frame = torch.frombuffer(bytearray(exchange.sealer.seal(body)), dtype=torch.uint8)
+        frame = torch.frombuffer(bytearray(seal_amax(
+            exchange.sealer, exchange.plan.digest, index, self.rank, rank, amax)),
+            dtype=torch.uint8)
         peer = f"actor rank {rank}"
         exchange.wait(exchange.post(exchange.group.send, frame, rank, tag, peer,
                                     "agreeing scales"), peer, "agreeing scales")
@@ -224,20 +227,44 @@ class ShardQuantizer:
     def _receive(self, like: torch.Tensor, rank: int, tag: int, index: int) -> torch.Tensor:
         exchange = self.exchange
         peer = f"actor rank {rank}"
-        size = len(exchange.sealer.seal(b"")) + _HEADER.size + like.numel() * 4
-        frame = torch.empty(size, dtype=torch.uint8)
+        frame = torch.empty(amax_frame_bytes(exchange.sealer, like.numel()), dtype=torch.uint8)
         exchange.wait(exchange.post(exchange.group.recv, frame, rank, tag, peer,
                                     "agreeing scales"), peer, "agreeing scales")
-        try:
-            body = exchange.sealer.open(frame.numpy().tobytes())
-        except UnauthenticatedMessageError:
-            raise TransferError(f"actor rank {self.rank}: the block amax from {peer} was not "
-                                "sealed under this sync's key", peer=peer,
-                                stage="agreeing scales") from None
-        plan, got, sender, receiver = _HEADER.unpack_from(body)
-        if (plan.hex(), got, sender, receiver) != (exchange.plan.digest, index, rank, self.rank):
-            raise TransferError(f"actor rank {self.rank}: the block amax from {peer} is "
-                                "another tensor's, another plan's or another pair of ranks'",
-                                peer=peer, stage="agreeing scales")
-        amax = torch.frombuffer(bytearray(body[_HEADER.size:]), dtype=torch.float32)
-        return amax.view(like.shape)
+        return open_amax(exchange.sealer, frame.numpy().tobytes(), exchange.plan.digest, index,
+                         rank, self.rank, like.shape)
+
+
+def amax_frame_bytes(sealer: MessageSealer, blocks: int) -> int:
+    """Bytes of a sealed frame of ``blocks`` block amax (:func:`seal_amax`)."""
+    return len(sealer.seal(b"")) + _HEADER.size + 4 * blocks
+
+
+def seal_amax(sealer: MessageSealer, plan: str, index: int, sender: int, receiver: int,
+              amax: torch.Tensor) -> bytes:
+    """Actor rank ``sender``'s frame to ``receiver`` of the block amax of the ``index``-th
+    quantized weight of the sync of ``plan`` (its digest), sealed by ``sealer``."""
+    body = _HEADER.pack(bytes.fromhex(plan), index, sender, receiver)
+    return sealer.seal(body + amax.float().contiguous().numpy().tobytes())
+
+
+def open_amax(sealer: MessageSealer, frame: bytes, plan: str, index: int, sender: int,
+              receiver: int, shape: torch.Size) -> torch.Tensor:
+    """The block amax (``shape``, float32) that :func:`seal_amax` sealed in ``frame``.
+
+    Raises:
+        TransferError: naming ``sender``, a frame not sealed under this sync's key, or one
+            of another plan, another weight or another pair of ranks (a replay).
+    """
+    peer = f"actor rank {sender}"
+    try:
+        body = sealer.open(frame)
+    except UnauthenticatedMessageError:
+        raise TransferError(f"actor rank {receiver}: the block amax from {peer} was not "
+                            "sealed under this sync's key", peer=peer,
+                            stage="agreeing scales") from None
+    if len(body) != _HEADER.size + 4 * shape.numel() or (
+            _HEADER.unpack_from(body) != (bytes.fromhex(plan), index, sender, receiver)):
+        raise TransferError(f"actor rank {receiver}: the block amax from {peer} is another "
+                            "tensor's, another plan's or another pair of ranks'", peer=peer,
+                            stage="agreeing scales")
+    return torch.frombuffer(bytearray(body[_HEADER.size:]), dtype=torch.float32).view(shape)
