@@ -9,6 +9,7 @@ would use."""
 import json
 import os
 import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -164,3 +165,20 @@ def test_a_flood_while_a_group_forms_costs_bounded_descriptors_and_no_process(cl
     # the failed group is gone: every descriptor gloo kept is free again
     assert formed["growth"] <= 2, formed
     assert "connection flood from outside the sync" in formed["outcome"], formed
+
+
+def test_the_stray_limit_leaves_gloo_descriptors_where_the_process_has_few():
+    """Where half the descriptors left is fewer than MAX_STRAY_CONNECTIONS, the guard closes
+    the listener by then: gloo aborts the process when ``accept`` runs out of them."""
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, resource\n"
+        "from weightsync_core.net.gloo_listener import stray_connection_limit\n"
+        "print(stray_connection_limit())\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (600, resource.getrlimit("
+        "resource.RLIMIT_NOFILE)[1]))\n"
+        "print(stray_connection_limit(), len(os.listdir('/proc/self/fd')))\n")],
+        capture_output=True, text=True, check=True, timeout=120)
+    roomy, scarce = child.stdout.split("\n")[:2]
+    limit, open_descriptors = map(int, scarce.split())
+    assert int(roomy) == MAX_STRAY_CONNECTIONS
+    assert limit == (600 - open_descriptors) // 2 < MAX_STRAY_CONNECTIONS

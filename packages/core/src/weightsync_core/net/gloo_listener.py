@@ -14,15 +14,23 @@ was removed) in place of the listening one under the same descriptor number: glo
 loop, which still watches that number, finds nothing to accept, and the port is closed to
 everyone (a connection is refused, costing the process nothing). While a group forms,
 :class:`FormationGuard` counts the connections the listener holds beyond the group's own
-and closes the listener once they pass :data:`MAX_STRAY_CONNECTIONS`: the group then fails
-to form (its missing peers are named) instead of the process dying, and destroying the
-failed group frees every descriptor gloo kept.
+and closes the listener once they pass :func:`stray_connection_limit` (4,096, or half the
+descriptors the process has left where that is fewer): the group then fails to form (its
+missing peers are named) instead of the process dying, and destroying the failed group
+frees every descriptor gloo kept.
+
+The limit is a count, not a rate: an outsider churning connections at the port keeps each
+one it opens while the group forms, so the group's formation time under load sets how many
+arrive. On 2 busy cores a group of 5 took up to 0.5 s to form and held up to 446 stray
+connections from the conformance suite's churner (which opens them 256 at a time); at a
+limit of 512 that failed syncs through a churn, so the limit is eight times that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import socket
 import tempfile
 import threading
@@ -35,11 +43,14 @@ __all__ = [
     "close_listener",
     "find_new_listener",
     "listening_sockets",
+    "stray_connection_limit",
 ]
 
-MAX_STRAY_CONNECTIONS = 512
+MAX_STRAY_CONNECTIONS = 4096
 """Connections a forming group's listener may hold beyond its peers' before it is closed
-(each costs one file descriptor until the failed group is destroyed)."""
+(each costs one file descriptor, a socket's kernel memory and gloo's few hundred bytes for
+it until the failed group is destroyed), where the process has the descriptors to spare
+(:func:`stray_connection_limit`)."""
 _GUARD_INTERVAL = 0.01
 """Seconds between two counts of a forming group's connections."""
 
@@ -51,6 +62,15 @@ class GlooListener:
     fd: int
     inode: int
     port: int
+
+
+def stray_connection_limit() -> int:
+    """How many stray connections a forming group's listener may hold in this process:
+    :data:`MAX_STRAY_CONNECTIONS`, or half the descriptors the process has left under its
+    soft limit where that is fewer (gloo aborts the process when ``accept`` runs out)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    left = soft - len(os.listdir("/proc/self/fd"))
+    return max(0, min(MAX_STRAY_CONNECTIONS, left // 2))
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -163,15 +183,17 @@ class FormationGuard:
         listener: gloo's listening socket.
         peers: the connections the group itself makes to this listener (at most the group's
             size minus one).
-        limit: the stray connections tolerated.
+        limit: the stray connections tolerated (:func:`stray_connection_limit` when not
+            given).
     """
 
-    def __init__(self, listener: GlooListener, peers: int,
-                 limit: int = MAX_STRAY_CONNECTIONS) -> None:
+    def __init__(self, listener: GlooListener, peers: int, limit: int | None = None) -> None:
         self.listener = listener
         self.flooded = False
         """Whether the guard closed the listener because of stray connections."""
-        self._threshold = peers + limit
+        self.limit = stray_connection_limit() if limit is None else limit
+        """The stray connections tolerated."""
+        self._threshold = peers + self.limit
         self._census = _PortCensus(listener.port)
         self._lock = threading.Lock()
         self._closed = False

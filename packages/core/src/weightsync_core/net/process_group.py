@@ -19,7 +19,6 @@ from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo, St
 from weightsync_core.api.errors import GroupInitTimeoutError
 from weightsync_core.api.hosts import HOST_ENV, check_bind_host
 from weightsync_core.net.gloo_listener import (
-    MAX_STRAY_CONNECTIONS,
     FormationGuard,
     find_new_listener,
     listening_sockets,
@@ -175,7 +174,7 @@ def new_gloo_group(
                 raise
             raise GroupInitTimeoutError(
                 f"rank {rank}'s gloo listener (port {guard.listener.port} of {host}) held more "
-                f"than {MAX_STRAY_CONNECTIONS} connections that were not its group's while the "
+                f"than {guard.limit} connections that were not its group's while the "
                 f"group of {world_size} formed, and was closed: a connection flood from "
                 f"outside the sync; the group did not form ({exc})", missing_ranks=[],
             ) from exc
