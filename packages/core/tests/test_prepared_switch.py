@@ -194,3 +194,16 @@ def test_a_dropped_stage_releases_what_the_server_prepared():
     asyncio.run(sync.worker.checkpoint_engine.send_weights(iter(_weights(4).items())))
     asyncio.run(sync.worker.update_weights(4))  # a sync loaded as it arrives
     assert sync.server.switches[2].released and sync.server.serves(_weights(4))
+
+
+def test_a_stage_not_prepared_is_loaded_at_its_commit():
+    """``prepare=False`` (a server already in an update it did not start, as vLLM's
+    trainer-driven one): nothing is prepared; the commit loads the stage."""
+    sync = _Sync(_weights(0))
+    asyncio.run(sync.worker.checkpoint_engine.send_weights(iter(_weights(1).items())))
+    stats = asyncio.run(sync.worker.stage_weights(1, prepare=False))
+    assert "prepared_bytes" not in stats and sync.server.lifecycle == []
+    assert sync.server.serves(_weights(0))
+    asyncio.run(sync.worker.commit_staged())
+    assert sync.server.lifecycle == ["load"] and sync.server.serves(_weights(1))
+    assert sync.worker.weights_status()["rollback_version"] == 1  # the copy to roll back to

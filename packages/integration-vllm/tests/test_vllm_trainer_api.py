@@ -6,8 +6,9 @@ fails. It sends with ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrain
 ..., num_receivers=2), client=HTTPVLLMWeightSyncClient(url))``, each vLLM worker a receiver
 of its own; three syncs in a row each give Hugging Face's greedy tokens (over gloo and kimi;
 every CPU backend goes through the same rendezvous, and ``test_async_llm_replica.py`` runs
-each into an ``AsyncLLM``), and a sync the trainer fails part-way is reported and recovered
-from. One server for the module."""
+each into an ``AsyncLLM``), and a sync the trainer fails part-way is reported, leaves vLLM
+serving the version it served (the sync is staged: nothing of it was loaded) and is
+recovered from. One server for the module."""
 
 import os
 import socket
@@ -99,6 +100,9 @@ def test_a_trainer_without_ray_recovers_from_a_failed_sync_then_syncs_three_time
 ):
     failed, *synced = _trainer(server, model_path, "gloo", "3", "--fail-at", "4")
     assert "trainer failed after 4 tensors" in failed
+    # staged: the 4 tensors that came (the embedding, a whole layer, among them) never
+    # reached vLLM's model, which serves the tokens it served before
+    assert failed.startswith("failed sync (version kept)"), failed
     assert synced == [f"sync {n}: hf tokens" for n in (1, 2, 3)]
     assert _healthy(server)
 

@@ -7,7 +7,8 @@ Usage: ``python trainer_without_ray.py BASE_URL MODEL_PATH BACKEND SYNCS [--fail
 workers (the served engine's ``tensor_parallel_size``), and checks that vLLM's greedy tokens
 changed and now equal Hugging Face's on the trainer's weights. With ``--fail-at``, one extra
 sync first fails in the trainer's weight iterator after that many tensors; it must raise,
-naming the cause, and the syncs after it must recover. Prints one line per sync; exits
+naming the cause, vLLM must serve the tokens it served before it (no layer of the failed
+version loaded), and the syncs after it must recover. Prints one line per sync; exits
 non-zero on any mismatch.
 """
 
@@ -76,13 +77,17 @@ def main(base_url: str, model_path: str, backend: str, syncs: int, fail_at: int 
     engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
     failures = 0
     if fail_at is not None:
+        served_before = served_tokens(base_url, model_path)
         perturb_(model, 999)
         try:
             engine.send_weights()
             print("the failing sync did not fail")
             failures += 1
         except Exception as error:  # reported, then recovered from
-            print(f"failed sync: {type(error).__name__}: {error}")
+            kept = torch.equal(served_tokens(base_url, model_path), served_before)
+            print(f"failed sync ({'version kept' if kept else 'TOKENS CHANGED'}): "
+                  f"{type(error).__name__}: {error}")
+            failures += not kept
             if "trainer failed after" not in str(error):
                 failures += 1
         source.fail_at = -1  # type: ignore[attr-defined]  # well-behaved from now on

@@ -316,9 +316,12 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         Whatever fails (the sender, the wire, a tensor the model refuses, one that never
         came, the timeout), the reload is abandoned before the error is raised: the layers
         that had all their weights keep them, the others keep their old ones, nothing is
-        left half-loaded, and the next update starts cleanly. The caller knows from the error
-        that the model holds a mix of versions (weightsync's rollout worker refuses to serve
-        until a sync succeeds)."""
+        left half-loaded, and the next update starts cleanly. A sync from weightsync's
+        manager loads as it receives: after a failure the model holds a mix of versions
+        (weightsync's rollout worker refuses to serve until a sync succeeds). A sync the
+        trainer drives through vLLM's trainer API is staged (:meth:`_sync_with_trainer`):
+        a failure before the whole version arrived and was checked leaves every layer on
+        the version it served."""
         if update_info.trainer_inbox is None:
             receive = self.worker.update_weights(
                 update_info.global_steps, update_info.allow_manifest_change,
@@ -335,7 +338,13 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
     async def _sync_with_trainer(self, update: WeightsyncUpdateInfo) -> dict[str, float]:
         """This worker's side of a sync the trainer drives: take the sync's key, send the
         trainer this engine's metadata, join the group with the arguments it answers,
-        receive, finalize (abort on any failure)."""
+        receive the version whole and checked into a stage (vLLM's model untouched),
+        finalize (abort on any failure), then load the stage into the model
+        (:meth:`CheckpointEngineWorker.commit_staged`: where vLLM refuses a tensor part-way,
+        the version it served is loaded back from the worker's copy of it).
+
+        The worker keeps the stage as that copy once loaded: one more host copy of the
+        weights this worker serves, and during a sync a second one (the stage)."""
         if update.session_key is None or update.trainer_inbox is None:
             raise WeightSyncError(
                 "a trainer-driven update needs both trainer_inbox and session_key"
@@ -359,17 +368,20 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
             join = worker.checkpoint_engine.init_process_group
             await worker.execute_checkpoint_engine(
                 "init_process_group", **typed_arguments(join, answer.kwargs))
-            stats = await worker.update_weights(update.global_steps,
+            # vLLM's reload of the model has started (start_weight_update): nothing to
+            # prepare beside it; the commit loads the stage into it
+            staged = await worker.stage_weights(update.global_steps,
                                                 update.allow_manifest_change,
-                                                update.delta_base, update.delta_version)
+                                                update.delta_base, update.delta_version,
+                                                prepare=False)
             await worker.execute_checkpoint_engine("finalize")
-            return stats
         except BaseException:
             with contextlib.suppress(Exception):  # the sync's own error is the one to raise
                 await worker.execute_checkpoint_engine("abort")
             raise
         finally:
             channel.close()
+        return {**staged, **await worker.commit_staged()}
 
     # -- LoRA adapters: added beside the versions served, the model untouched, vLLM serving
     def update_adapter(self, global_steps: int, adapter: dict[str, Any], lora_id: int,

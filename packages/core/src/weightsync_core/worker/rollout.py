@@ -243,6 +243,7 @@ class CheckpointEngineWorker:
     async def stage_weights(
         self, global_steps: int | None = None, allow_manifest_change: bool = False,
         delta_base: str | None = None, delta_version: str | None = None,
+        prepare: bool = True,
     ) -> dict[str, float]:
         """Phase 1 of a staged sync: receive one version of the weights whole and check it
         (each bucket's checksum in the engine, every tensor against the previous manifest as
@@ -255,7 +256,10 @@ class CheckpointEngineWorker:
         Each tensor is also offered to the server adapter's optional
         ``check_staged_weight`` (:class:`~weightsync_core.api.protocols.ServerAdapter`), and
         the complete stage to its optional ``prepare_weights``, which builds the server's
-        switch to it (``prepare_seconds``, ``prepared_bytes`` in the figures).
+        switch to it (``prepare_seconds``, ``prepared_bytes`` in the figures), unless
+        ``prepare`` is False (the commit then loads the stage through ``update_weights``:
+        for a server already taking an update it did not start from the stage, such as
+        vLLM's trainer-driven one).
 
         Raises:
             WeightSyncError: what :meth:`update_weights` raises before loading; the server
@@ -279,9 +283,9 @@ class CheckpointEngineWorker:
                                      getattr(self.server_adapter, "check_staged_weight", None))
         stats: dict[str, float] = {"num_tensors": len(staged), "nbytes": staged.nbytes,
                                    "seconds": time.perf_counter() - start}
-        prepare = getattr(self.server_adapter, "prepare_weights", None)
-        if prepare is not None:
-            stats.update(await prepare_switch(staged, prepare, engine.progress))
+        prepare_weights = getattr(self.server_adapter, "prepare_weights", None)
+        if prepare and prepare_weights is not None:
+            stats.update(await prepare_switch(staged, prepare_weights, engine.progress))
         self.staged = staged
         if plan is not None:
             stats.update(self.delta_receiver.last_stats.as_dict())
