@@ -1,7 +1,13 @@
 """``weightsync-train-bench-async``: the same experiment (same config and seed) run
 synchronously and with ``trainer.async_rollout.enable=true``, one after the other in one
 run; prints steps per second and reward of each and writes a PNG of both reward curves
-beside the asynchronous run's staleness histogram."""
+beside the asynchronous run's staleness histogram.
+
+With ``--rounds N`` the pair runs N times, in alternating order (sync then async, then async
+then sync, ...): on a shared machine the speed drifts within a minute (the synchronous
+run's generation took 116 ms a step in one run and 201 ms in the next, ten minutes apart),
+and a pair run in one order only charges the drift to one side. The ratio reported is of
+the steps per second summed over the rounds."""
 
 from __future__ import annotations
 
@@ -39,13 +45,32 @@ def _summary(rows: Rows, window: int) -> dict[str, float]:
             "reward_last": _mean_reward(rows[-window:])}
 
 
-def run_async_bench(overrides: list[str], window: int = 5) -> dict[str, Any]:
-    """Both runs of the experiment ``overrides`` describe; their rows and summaries."""
-    synchronous = _run(overrides)
-    asynchronous = _run([*overrides, "trainer.async_rollout.enable=true"])
-    return {"sync": {"rows": synchronous, **_summary(synchronous, window)},
-            "async": {"rows": asynchronous, **_summary(asynchronous, window)},
-            "load": os.getloadavg()[0]}
+def run_async_bench(overrides: list[str], window: int = 5, rounds: int = 1
+                    ) -> dict[str, Any]:
+    """Both runs of the experiment ``overrides`` describe, ``rounds`` times in alternating
+    order: the first round's rows and summaries (``"sync"``, ``"async"``), each round's
+    steps per second and load (``"rounds"``) and the ratio over all rounds
+    (``"ratio"``: asynchronous steps per second over synchronous, each summed)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    modes = {"sync": overrides, "async": [*overrides, "trainer.async_rollout.enable=true"]}
+    report: dict[str, Any] = {"rounds": []}
+    for index in range(rounds):
+        order = ("sync", "async") if index % 2 == 0 else ("async", "sync")
+        summaries: dict[str, Any] = {}
+        for mode in order:
+            rows = _run(modes[mode])
+            summaries[mode] = _summary(rows, window)
+            if index == 0:
+                report[mode] = {"rows": rows, **summaries[mode]}
+        report["rounds"].append({
+            "order": list(order), "load": os.getloadavg()[0],
+            **{f"{mode}_steps_per_second": summaries[mode]["steps_per_second"]
+               for mode in modes}})
+    report["ratio"] = (sum(entry["async_steps_per_second"] for entry in report["rounds"])
+                       / sum(entry["sync_steps_per_second"] for entry in report["rounds"]))
+    report["load"] = max(entry["load"] for entry in report["rounds"])
+    return report
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -85,9 +110,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
                         help="Hydra overrides of both runs, e.g. trainer.total_training_steps=30")
     parser.add_argument("--out", default="async-bench", help="folder for the PNG and JSON")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="pairs of runs, in alternating order (the first round's curves "
+                             "are plotted)")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    report = run_async_bench(args.overrides)
+    report = run_async_bench(args.overrides, rounds=args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(report, out / "async_vs_sync.png")
@@ -97,9 +125,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{mode:5}: {entry['steps']} steps in {entry['seconds']:.1f} s, "
               f"{entry['steps_per_second']:.2f} steps/s, reward {entry['reward_first']:.3f} "
               f"-> {entry['reward_last']:.3f}")
-    ratio = report["async"]["steps_per_second"] / report["sync"]["steps_per_second"]
-    print(f"async / sync steps per second: {ratio:.2f}x (goal 1.3x); load "
-          f"{report['load']:.1f}; plot: {out / 'async_vs_sync.png'}")
+    for index, entry in enumerate(report["rounds"]):
+        print(f"round {index + 1} ({' then '.join(entry['order'])}): sync "
+              f"{entry['sync_steps_per_second']:.2f}, async {entry['async_steps_per_second']:.2f}"
+              f" steps/s, {entry['async_steps_per_second'] / entry['sync_steps_per_second']:.2f}x;"
+              f" load {entry['load']:.1f}")
+    print(f"async / sync steps per second: {report['ratio']:.2f}x over {len(report['rounds'])} "
+          f"round(s) (goal 1.3x); load up to {report['load']:.1f}; plot: "
+          f"{out / 'async_vs_sync.png'}")
 
 
 if __name__ == "__main__":
