@@ -49,8 +49,8 @@ __all__ = ["ActorWorker"]
 class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
     """One ``actor_wg`` rank: trains the policy and sends its weights through its engine.
 
-    Weights leave as full tensors one parameter at a time (:func:`full_parameters`), never as a
-    gathered state dict. With a colocated backend (``naive``) the rank also serves generation
+    Weights leave as full tensors gathered in groups of at most 64 MiB
+    (:func:`full_parameters`), never as a gathered state dict. With a colocated backend (``naive``) the rank also serves generation
     from an in-process :class:`HFGenerationServer`, which receives the weights directly.
 
     With ``model.lora_rank`` > 0 the policy is a PEFT LoRA adapter on a frozen base: the
@@ -77,8 +77,8 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
                                     delta_group=dist.group.WORLD)
 
     def iter_weights(self) -> WeightsSource:
-        """Every parameter, gathered whole one at a time, under its checkpoint name (fused
-        experts one expert at a time; of a LoRA policy, the base's)."""
+        """Every parameter, gathered whole (in groups of at most 64 MiB), under its
+        checkpoint name (fused experts one expert at a time; of a LoRA policy, the base's)."""
         return per_expert_stream(base_parameters(full_parameters(self._built_model())))
 
     def adapter_spec(self, name: str) -> AdapterSpec:
@@ -95,8 +95,8 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         return adapter_spec(model)
 
     def iter_adapter_weights(self, name: str) -> WeightsSource:
-        """The adapter's ``lora_A``/``lora_B`` parameters, gathered whole one at a time,
-        under PEFT's state-dict names."""
+        """The adapter's ``lora_A``/``lora_B`` parameters, gathered whole, under PEFT's
+        state-dict names."""
         self.adapter_spec(name)
         return adapter_parameters(trainable_parameters(self._built_model()))
 

@@ -25,32 +25,58 @@ _GROUP_TIMEOUT = timedelta(minutes=5)
 LossFn = Callable[[slice], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def full_parameters(model: torch.nn.Module, trainable_only: bool = False
+GATHER_GROUP_BYTES = 64 << 20
+"""Bytes of full tensors :func:`full_parameters` gathers in one collective at most."""
+
+
+def full_parameters(model: torch.nn.Module, trainable_only: bool = False,
+                    group_bytes: int = GATHER_GROUP_BYTES
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for each parameter (``trainable_only``: each that requires a
-    gradient, such as a LoRA adapter's), gathered one at a time.
+    gradient, such as a LoRA adapter's), in the model's order.
 
-    Sharded parameters are all-gathered with ``DTensor.full_tensor()``; every rank of the
-    group must iterate in step (it is a collective). Only one full tensor exists at a time.
+    Consecutive parameters sharded by FSDP2 (``Shard(0)`` over every rank) of one dtype are
+    all-gathered together, up to ``group_bytes`` of full tensors (one parameter where it is
+    larger): each rank's rows of the group in one flat buffer, one ``all_gather``. A
+    collective per small tensor costs more than its bytes (the main job's 86 KB model took
+    one per parameter). Other parameters are gathered alone (``DTensor.full_tensor()``).
+    At most one group's full tensors exist at a time. Every rank of the group must iterate
+    in step (the groups depend only on the parameters' names, shapes, dtypes and
+    placements, which every rank shares).
     """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group: list[tuple[str, torch.nn.Parameter]] = []
+    grouped_bytes = 0
     for name, param in model.named_parameters():
         if trainable_only and not param.requires_grad:
             continue
+        if world > 1 and _row_sharded(param, world):
+            nbytes = param.numel() * param.element_size()  # a DTensor's numel is the whole
+            if group and (grouped_bytes + nbytes > group_bytes
+                          or group[0][1].dtype != param.dtype):
+                yield from _gathered(group, world)
+                group, grouped_bytes = [], 0
+            group.append((name, param))
+            grouped_bytes += nbytes
+            continue
+        yield from _gathered(group, world)
+        group, grouped_bytes = [], 0
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, tensor.detach()
+    yield from _gathered(group, world)
 
 
 def trainable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` of each parameter that trains (a LoRA adapter's), all gathered
-    in one collective: each rank's rows of every such parameter (FSDP2's ``Shard(0)`` over
-    all ranks) in one flat buffer, one ``all_gather``. A collective per small tensor, as
-    :func:`full_parameters` makes, costs more than the bytes. Every rank must call it in
-    step. Parameters sharded otherwise (or of several dtypes) are gathered one at a time."""
-    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 or not all(_row_sharded(param, world) for _, param in named) or len(
-            {param.dtype for _, param in named}) != 1:
-        yield from full_parameters(model, trainable_only=True)
+    """``(name, full tensor)`` of each parameter that trains (a LoRA adapter's), gathered
+    as :func:`full_parameters` gathers. Every rank must call it in step."""
+    return full_parameters(model, trainable_only=True)
+
+
+def _gathered(named: list[tuple[str, torch.nn.Parameter]], world: int
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of ``named`` (``Shard(0)`` parameters of one dtype over ``world``
+    ranks), gathered in one ``all_gather``."""
+    if not named:
         return
     sizes = [[_rows_of(rank, param.shape[0], world) * (param.numel() // param.shape[0])
               for _, param in named] for rank in range(world)]
