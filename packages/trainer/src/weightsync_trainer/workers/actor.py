@@ -50,8 +50,9 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
     """One ``actor_wg`` rank: trains the policy and sends its weights through its engine.
 
     Weights leave as full tensors gathered in groups of at most 64 MiB
-    (:func:`full_parameters`), never as a gathered state dict. With a colocated backend (``naive``) the rank also serves generation
-    from an in-process :class:`HFGenerationServer`, which receives the weights directly.
+    (:func:`full_parameters`), never as a gathered state dict. With a colocated backend
+    (``naive``) the rank also serves generation from an in-process
+    :class:`HFGenerationServer`, which receives the weights directly.
 
     With ``model.lora_rank`` > 0 the policy is a PEFT LoRA adapter on a frozen base: the
     weights syncs send are the base's (under its checkpoint names), the adapter goes in
