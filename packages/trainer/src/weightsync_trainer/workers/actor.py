@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,6 @@ from weightsync_trainer.workers.training import (
     TrainingWorker,
     full_parameters,
     local_parameters,
-    trainable_parameters,
 )
 
 __all__ = ["ActorWorker"]
@@ -99,13 +99,19 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         """The adapter's ``lora_A``/``lora_B`` parameters, gathered whole, under PEFT's
         state-dict names."""
         self.adapter_spec(name)
-        return adapter_parameters(trainable_parameters(self._built_model()))
+        return self._adapter_weights(self._built_model())
+
+    @staticmethod
+    def _adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The adapter's tensors of ``model``, whole, under PEFT's state-dict names
+        (collective: every rank in step)."""
+        return adapter_parameters(full_parameters(model, trainable_only=True))
 
     def adapter_checksum(self) -> str:
         """Digest of the adapter's tensors (collective: call on every rank), as a replica's
         ``adapter_checksum`` of the version it holds takes it."""
         self.adapter_spec(ADAPTER_NAME)
-        return weights_digest(adapter_parameters(trainable_parameters(self._built_model())))
+        return weights_digest(self._adapter_weights(self._built_model()))
 
     def weights_checksum(self) -> str:
         """Digest of the full weights (collective: call on every rank); of a LoRA policy,
@@ -216,7 +222,7 @@ class ActorWorker(TrainingWorker, ActorCheckpointEngineMixin):
         }
         lora = self.config.model.lora_rank > 0
         adapter = ({name: tensor.contiguous().clone() for name, tensor in
-                    adapter_parameters(trainable_parameters(model))} if lora else {})
+                    self._adapter_weights(model)} if lora else {})
         if self.rank != 0:
             return None
         path = Path(directory)

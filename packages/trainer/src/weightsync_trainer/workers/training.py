@@ -18,7 +18,7 @@ from weightsync_core import load_custom_backend_module
 from weightsync_trainer.checksum import weights_digest
 from weightsync_trainer.config import TrainingWorkerConfig
 
-__all__ = ["TrainingWorker", "full_parameters", "local_parameters", "trainable_parameters"]
+__all__ = ["TrainingWorker", "full_parameters", "local_parameters"]
 
 _GROUP_TIMEOUT = timedelta(minutes=5)
 
@@ -64,12 +64,6 @@ def full_parameters(model: torch.nn.Module, trainable_only: bool = False,
         tensor = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, tensor.detach()
     yield from _gathered(group, world)
-
-
-def trainable_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` of each parameter that trains (a LoRA adapter's), gathered
-    as :func:`full_parameters` gathers. Every rank must call it in step."""
-    return full_parameters(model, trainable_only=True)
 
 
 def _gathered(named: list[tuple[str, torch.nn.Parameter]], world: int
